@@ -1,0 +1,40 @@
+"""Data-stage settings (the `data` config group)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+EMBEDDED_SHAREGPT = "embedded:sharegpt"
+
+
+@dataclass
+class RegenerateConfig:
+    """Self-distillation: regenerate assistant turns with the target itself."""
+
+    enabled: bool = False
+    temperature: float = 0.0
+    max_new_tokens: int = 256
+    batch_size: int = 8
+    shard_size: int = 256
+    output_dir: str | None = None  # default: <run_dir>/regenerated
+
+
+@dataclass
+class DataConfig:
+    source: str = EMBEDDED_SHAREGPT  # JSON array / JSONL path, datasets hub name, saved dataset dir
+    format: str = "auto"  # auto | json | jsonl | hub | disk
+    hub_split: str = "train"
+    salvage_truncated: bool = True  # keep the complete records of a JSON array cut mid-record
+    skip_bad_records: bool = True  # False: a malformed record is an error naming it
+    max_records: int | None = None  # after the split: cap on training conversations
+    max_eval_records: int | None = 200
+    max_length: int = 2048
+    overflow: str = "truncate"  # truncate | drop | split
+    eval_fraction: float = 0.02
+    split_seed: int = 0
+    num_proc: int = 1
+    cache_dir: str | None = None  # datasets.map cache; default under the specheads cache
+    mode: str = "online"  # online: run the target during training; offline: read the feature cache
+    feature_cache_dir: str | None = None  # default: <run_dir>/features
+    feature_cache_dtype: str = "bfloat16"
+    feature_shard_records: int = 256
+    regenerate: RegenerateConfig = field(default_factory=RegenerateConfig)

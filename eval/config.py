@@ -1,0 +1,25 @@
+"""Runtime/evaluation settings (the `runtime` config group)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class RuntimeConfig:
+    drafters: list[str] = field(default_factory=lambda: ["eagle_tree", "eagle_chain", "prompt_lookup"])
+    attention: str = "auto"  # auto (triton on CUDA, reference elsewhere) | reference | triton
+    temperature: float = 0.0
+    top_k: int = 0  # sampling filter; 0 = off
+    top_p: float = 1.0
+    max_new_tokens: int = 64
+    num_prompts: int = 8
+    prompts_file: str | None = None  # JSONL of prompts; default: held-out ShareGPT split
+    max_prompt_tokens: int = 256
+    chain_depth: int = 4
+    tree_top_k: int = 4  # EAGLE-2 expansion width
+    tree_depth: int = 4
+    tree_total_tokens: int = 16
+    medusa_choices: str = "auto"  # auto (from measured head accuracies) | mc_sim_7b_63 | JSON list
+    typical_acceptance: bool = False  # Medusa's typical acceptance: LOSSY
+    compare_transformers: bool = True
+    threads: int | None = None

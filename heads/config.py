@@ -1,0 +1,33 @@
+"""Head-group settings (the `heads` config group): which head to build and its shape options.
+
+The full rebuildable description of a trained head (sizes + target fingerprint) lives in each
+head's own config dataclass (`heads.eagle.EagleConfig`, `heads.medusa.MedusaConfig`).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class MedusaOptions:
+    num_heads: int = 4
+    num_layers: int = 1
+    share_lm_head: bool = False  # True: use the target's frozen lm_head instead of K trainable copies
+    loss_decay: float = 0.8  # head k weighs decay**k; 1.0 reproduces FasterDecoding
+
+
+@dataclass
+class EagleOptions:
+    fc_bias: bool = False  # vLLM's EAGLE fc has no bias
+    feature_loss_weight: float = 1.0  # SmoothL1 on the predicted feature
+    logit_loss_weight: float = 0.1  # soft cross-entropy against the target's distribution
+    input_noise: float = 0.2  # uniform noise U(-a/2, a/2) added to input features in training
+    eval_steps: int = 4  # held-out evaluation feeds the head its own predictions this many steps
+
+
+@dataclass
+class HeadsConfig:
+    type: str = "eagle"  # eagle | medusa
+    hidden_size: int | None = None  # None: the target's; set only to check a recipe
+    medusa: MedusaOptions = field(default_factory=MedusaOptions)
+    eagle: EagleOptions = field(default_factory=EagleOptions)

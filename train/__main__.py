@@ -1,0 +1,61 @@
+"""`python -m train [+recipe=NAME] [key=value ...]`: the Hydra entry point of a whole job.
+
+Hydra and OmegaConf stop here: the composed config becomes a `JobConfig` dataclass tree, is
+validated before any heavy work, and the library code receives plain dataclasses.
+"""
+from __future__ import annotations
+
+import logging
+import sys
+from pathlib import Path
+
+import hydra
+from hydra.core.config_store import ConfigStore
+from hydra.errors import HydraException
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from train.job import ConfigError, JobConfig, validate_job
+
+CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
+
+ConfigStore.instance().store(name="job_schema", node=JobConfig)
+
+
+def to_job(cfg: DictConfig) -> JobConfig:
+    """Structured DictConfig -> validated JobConfig dataclass."""
+    job = OmegaConf.to_object(cfg)
+    assert isinstance(job, JobConfig), type(job)
+    return validate_job(job)
+
+
+def compose_job(overrides: list[str] | None = None) -> JobConfig:
+    """Compose conf/config.yaml with command-line style overrides, without running a job."""
+    from hydra import compose, initialize_config_dir
+
+    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+        cfg = compose(config_name="config", overrides=list(overrides or []))
+    return to_job(cfg)
+
+
+@hydra.main(config_path=CONF_DIR, config_name="config", version_base="1.3")
+def main(cfg: DictConfig) -> None:
+    from train.pipeline import run_job
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", force=True)
+    try:
+        job = to_job(cfg)
+    except (ConfigError, OmegaConfBaseException) as error:
+        print(f"config error: {error}", file=sys.stderr)
+        sys.exit(2)
+    run_job(job)
+
+
+if __name__ == "__main__":
+    # Hydra's own run folder is not used: the job writes to trainer.output_dir and keeps the cwd.
+    sys.argv += ["hydra.run.dir=.", "hydra.output_subdir=null", "hydra/job_logging=none", "hydra/hydra_logging=none"]
+    try:
+        main()
+    except HydraException as error:
+        print(f"config error: {error}", file=sys.stderr)
+        sys.exit(2)

@@ -1,0 +1,49 @@
+"""Trainer, logger and DeepSpeed settings (the `trainer`, `logger`, `deepspeed` config groups)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class TrainerConfig:
+    output_dir: str = "runs/default"
+    seed: int = 0
+    learning_rate: float = 3e-4
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.95
+    weight_decay: float = 0.0
+    schedule: str = "cosine"  # cosine | linear | constant
+    warmup_ratio: float = 0.05
+    max_steps: int = 200
+    max_minutes: float | None = None  # wall-clock budget; the schedule is laid out over max_steps
+    batch_size: int = 4  # sequences per micro-batch per process
+    grad_accumulation: int = 1
+    max_grad_norm: float = 0.5
+    mixed_precision: str = "auto"  # auto (bf16 on GPU, no on CPU) | no | bf16 | fp16
+    eval_every: int = 50
+    eval_batches: int = 8
+    save_every: int = 50
+    keep_last: int = 2
+    resume: str = "auto"  # auto | never | <checkpoint dir>
+    init_from: str | None = None  # a checkpoint or native export to start the heads from
+    log_every: int = 10
+    dry_run: bool = False  # print the plan (memory, disk, steps) and stop
+    num_threads: int | None = None  # torch CPU threads; None: leave torch's default
+
+
+@dataclass
+class LoggerConfig:
+    kind: str = "wandb"  # wandb | none
+    project: str = "specheads"
+    entity: str | None = None
+    mode: str = "offline"  # offline (never blocks without network) | online | disabled
+    run_name: str | None = None
+    tags: list[str] | None = None
+
+
+@dataclass
+class DeepSpeedConfig:
+    enabled: bool = False
+    zero_stage: int = 2
+    offload_optimizer: bool = False
+    config_file: str | None = None  # an explicit DeepSpeed JSON overrides the generated one

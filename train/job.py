@@ -1,0 +1,130 @@
+"""The whole job's configuration as one dataclass tree, and the checks that run before heavy work."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from data.config import DataConfig
+from eval.config import RuntimeConfig
+from export.config import ExportConfig
+from heads.config import HeadsConfig
+from heads.target import TargetConfig
+from train.config import DeepSpeedConfig, LoggerConfig, TrainerConfig
+
+
+@dataclass
+class TargetArch:
+    """Architecture numbers of the target, for recipes planned without weights (dry runs). Any
+    field left None is read from the loaded model."""
+
+    hidden_size: int | None = None
+    num_hidden_layers: int | None = None
+    num_attention_heads: int | None = None
+    num_key_value_heads: int | None = None
+    intermediate_size: int | None = None
+    vocab_size: int | None = None
+
+
+@dataclass
+class ModelConfig(TargetConfig):
+    arch: TargetArch = field(default_factory=TargetArch)
+
+
+@dataclass
+class JobConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    heads: HeadsConfig = field(default_factory=HeadsConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    deepspeed: DeepSpeedConfig = field(default_factory=DeepSpeedConfig)
+    runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
+    export: ExportConfig = field(default_factory=ExportConfig)
+    logger: LoggerConfig = field(default_factory=LoggerConfig)
+    stages: list[str] = field(default_factory=lambda: ["data", "train", "eval", "export"])
+    recipe: str = "eagle_smollm2_135m"
+
+
+class ConfigError(ValueError):
+    """A configuration value that cannot work; the message names the key."""
+
+
+def _choice(key: str, value, allowed) -> None:
+    if value not in allowed:
+        raise ConfigError(f"{key}={value!r} is not one of {sorted(allowed)}")
+
+
+def _positive(key: str, value, allow_zero: bool = False) -> None:
+    if value is None:
+        return
+    if value < 0 or (value == 0 and not allow_zero):
+        raise ConfigError(f"{key}={value!r} must be {'>= 0' if allow_zero else '> 0'}")
+
+
+def validate_job(job: JobConfig) -> JobConfig:
+    """Check values and cross-field consistency; raise ConfigError naming the key. Cheap: no I/O."""
+    _choice("stages", None, [None]) if not isinstance(job.stages, list) else None
+    for stage in job.stages:
+        _choice("stages[]", stage, {"data", "features", "regenerate", "train", "eval", "export"})
+    _choice("heads.type", job.heads.type, {"eagle", "medusa"})
+    _positive("heads.medusa.num_heads", job.heads.medusa.num_heads)
+    _positive("heads.medusa.num_layers", job.heads.medusa.num_layers)
+    if not 0.0 < job.heads.medusa.loss_decay <= 1.0:
+        raise ConfigError(f"heads.medusa.loss_decay={job.heads.medusa.loss_decay} must be in (0, 1]")
+    _positive("heads.eagle.feature_loss_weight", job.heads.eagle.feature_loss_weight, allow_zero=True)
+    _positive("heads.eagle.logit_loss_weight", job.heads.eagle.logit_loss_weight, allow_zero=True)
+    _positive("heads.eagle.input_noise", job.heads.eagle.input_noise, allow_zero=True)
+    _positive("heads.eagle.eval_steps", job.heads.eagle.eval_steps)
+    arch_hidden = job.model.arch.hidden_size
+    if job.heads.hidden_size is not None and arch_hidden is not None and job.heads.hidden_size != arch_hidden:
+        raise ConfigError(
+            f"heads.hidden_size={job.heads.hidden_size} differs from the target's hidden size "
+            f"model.arch.hidden_size={arch_hidden}; the heads read the target's features"
+        )
+    _choice("model.dtype", job.model.dtype, {"auto", "float32", "fp32", "bfloat16", "bf16", "float16", "fp16"})
+    _choice("data.format", job.data.format, {"auto", "json", "jsonl", "hub", "disk"})
+    _choice("data.overflow", job.data.overflow, {"truncate", "drop", "split"})
+    _choice("data.mode", job.data.mode, {"online", "offline"})
+    _choice("data.feature_cache_dtype", job.data.feature_cache_dtype, {"bfloat16", "float16", "float32"})
+    _positive("data.max_length", job.data.max_length)
+    _positive("data.max_records", job.data.max_records)
+    _positive("data.num_proc", job.data.num_proc)
+    if not 0.0 < job.data.eval_fraction < 1.0:
+        raise ConfigError(f"data.eval_fraction={job.data.eval_fraction} must be in (0, 1)")
+    t = job.trainer
+    _positive("trainer.learning_rate", t.learning_rate)
+    _positive("trainer.max_steps", t.max_steps)
+    _positive("trainer.batch_size", t.batch_size)
+    _positive("trainer.grad_accumulation", t.grad_accumulation)
+    _positive("trainer.max_grad_norm", t.max_grad_norm)
+    _positive("trainer.eval_every", t.eval_every)
+    _positive("trainer.save_every", t.save_every)
+    _positive("trainer.keep_last", t.keep_last)
+    _positive("trainer.max_minutes", t.max_minutes)
+    if not 0.0 <= t.warmup_ratio < 1.0:
+        raise ConfigError(f"trainer.warmup_ratio={t.warmup_ratio} must be in [0, 1)")
+    for key, beta in (("trainer.adam_beta1", t.adam_beta1), ("trainer.adam_beta2", t.adam_beta2)):
+        if not 0.0 <= beta < 1.0:
+            raise ConfigError(f"{key}={beta} must be in [0, 1)")
+    _choice("trainer.schedule", t.schedule, {"cosine", "linear", "constant"})
+    _choice("trainer.mixed_precision", t.mixed_precision, {"auto", "no", "bf16", "fp16"})
+    _choice("deepspeed.zero_stage", job.deepspeed.zero_stage, {0, 1, 2, 3})
+    _choice("logger.kind", job.logger.kind, {"wandb", "none"})
+    _choice("logger.mode", job.logger.mode, {"offline", "online", "disabled"})
+    r = job.runtime
+    _choice("runtime.attention", r.attention, {"auto", "reference", "triton"})
+    for drafter in r.drafters:
+        _choice("runtime.drafters[]", drafter,
+                {"eagle_tree", "eagle_chain", "medusa", "prompt_lookup", "draft_model", "self_speculation"})
+    _positive("runtime.temperature", r.temperature, allow_zero=True)
+    if not 0.0 < r.top_p <= 1.0:
+        raise ConfigError(f"runtime.top_p={r.top_p} must be in (0, 1]")
+    _positive("runtime.tree_total_tokens", r.tree_total_tokens)
+    _positive("runtime.tree_depth", r.tree_depth)
+    _positive("runtime.tree_top_k", r.tree_top_k)
+    for fmt in job.export.formats:
+        _choice("export.formats[]", fmt, {"native", "eagle", "medusa"})
+    _choice("export.dtype", job.export.dtype, {"bfloat16", "float16", "float32"})
+    if job.heads.type == "medusa" and "eagle" in job.export.formats:
+        raise ConfigError("export.formats contains 'eagle' but heads.type=medusa")
+    if job.heads.type == "eagle" and "medusa" in job.export.formats:
+        raise ConfigError("export.formats contains 'medusa' but heads.type=eagle")
+    return job
