@@ -121,7 +121,7 @@ def validate_job(job: JobConfig) -> JobConfig:
     _positive("runtime.tree_depth", r.tree_depth)
     _positive("runtime.tree_top_k", r.tree_top_k)
     for fmt in job.export.formats:
-        _choice("export.formats[]", fmt, {"native", "eagle", "medusa"})
+        _choice("export.formats[]", fmt, {"native", "eagle", "medusa", "engine"})
     _choice("export.dtype", job.export.dtype, {"bfloat16", "float16", "float32"})
     if job.heads.type == "medusa" and "eagle" in job.export.formats:
         raise ConfigError("export.formats contains 'eagle' but heads.type=medusa")

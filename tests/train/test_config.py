@@ -1,0 +1,82 @@
+"""Every YAML under conf/ composes into a valid JobConfig; config errors name the key."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from train.__main__ import CONF_DIR, compose_job
+from train.job import ConfigError, JobConfig, validate_job
+
+CONF = Path(CONF_DIR)
+GROUP_FILES = sorted(p for p in CONF.rglob("*.yaml") if p.parent != CONF and p.parent.name != "recipe")
+RECIPES = sorted((CONF / "recipe").glob("*.yaml"))
+
+
+def test_conf_tree_is_found():
+    assert (CONF / "config.yaml").is_file()
+    assert len(GROUP_FILES) >= 8 and len(RECIPES) >= 5
+
+
+@pytest.mark.parametrize("path", GROUP_FILES, ids=lambda p: str(p.relative_to(CONF)))
+def test_every_group_option_composes(path):
+    group = path.parent.relative_to(CONF).as_posix()
+    job = compose_job([f"{group}={path.stem}"])
+    assert isinstance(job, JobConfig)
+
+
+@pytest.mark.parametrize("path", RECIPES, ids=lambda p: p.stem)
+def test_every_recipe_composes(path):
+    job = compose_job([f"+recipe={path.stem}"])
+    assert job.recipe == path.stem
+
+
+def test_required_recipes_exist():
+    names = {p.stem for p in RECIPES}
+    assert {"eagle_smollm2_135m", "medusa_smollm2_135m", "eagle_llama3_8b", "medusa_vicuna_7b",
+            "eagle_llama3_70b"} <= names
+
+
+def test_default_job_is_the_embedded_eagle_job():
+    job = compose_job([])
+    assert job.model.name_or_path.startswith("embedded:")
+    assert job.heads.type == "eagle"
+    assert job.data.source == "embedded:sharegpt"
+
+
+def test_70b_recipe_numbers():
+    job = compose_job(["+recipe=eagle_llama3_70b"])
+    arch = job.model.arch
+    assert (arch.hidden_size, arch.num_hidden_layers, arch.num_attention_heads, arch.num_key_value_heads,
+            arch.intermediate_size, arch.vocab_size) == (8192, 80, 64, 8, 28672, 128256)
+    assert job.deepspeed.enabled and job.deepspeed.zero_stage == 2
+    assert job.trainer.learning_rate == pytest.approx(3e-5)
+    assert job.data.max_length == 2048 and job.data.mode == "offline"
+
+
+@pytest.mark.parametrize("override, key", [
+    ("trainer.no_such_key=1", "trainer.no_such_key"),
+    ("trainer.max_steps=many", "trainer.max_steps"),
+])
+def test_unknown_key_or_wrong_type_names_the_key(override, key):
+    with pytest.raises(Exception) as info:
+        compose_job([override])
+    assert key in str(info.value)
+
+
+@pytest.mark.parametrize("override, key", [
+    ("trainer.max_steps=0", "trainer.max_steps"),
+    ("trainer.learning_rate=-1", "trainer.learning_rate"),
+    ("heads.type=lstm", "heads.type"),
+    ("data.overflow=wrap", "data.overflow"),
+    ("runtime.top_p=0", "runtime.top_p"),
+    ("heads.hidden_size=4096", "heads.hidden_size"),
+])
+def test_impossible_values_name_the_key(override, key):
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+        compose_job([override])
+
+
+def test_validate_is_cheap_and_pure():
+    job = JobConfig()
+    assert validate_job(job) is job
