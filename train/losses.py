@@ -1,0 +1,125 @@
+"""Distillation losses (pure functions) and the position alignment they assume.
+
+Alignment for a sequence x_0..x_{T-1} with target features f_0..f_{T-1} (f_t predicts x_{t+1}):
+- EAGLE, position t in [0, T-1): input (embed(x_{t+1}), f_t), output f̂_{t+1}, regressed onto
+  f_{t+1}; its logits are matched to the target's at t+1 (which predict x_{t+2}). The position
+  counts when x_{t+2} is an assistant token.
+- Medusa head k, position t: predicts x_{t+k+2} from f_t; counts when that token is an assistant
+  token.
+Vocabulary projections run only on the counted positions, in chunks of `chunk_size` rows, because
+the (N, V) logits of a 49k vocabulary dominate the cost of a step on CPU.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def add_uniform_noise(features: torch.Tensor, amplitude: float, generator: torch.Generator | None = None):
+    """features + U(-amplitude/2, amplitude/2), elementwise (EAGLE's input noise)."""
+    if amplitude <= 0:
+        return features
+    noise = torch.rand(features.shape, generator=generator, device=features.device, dtype=features.dtype)
+    return features + (noise - 0.5) * amplitude
+
+
+def eagle_position_mask(loss_mask: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """loss_mask (B, T) -> bool (B, T-1): position t counts iff x_{t+2} is a (real) assistant token."""
+    mask = loss_mask.bool()
+    if attention_mask is not None:
+        mask = mask & attention_mask.bool()
+    out = torch.zeros_like(mask[:, 1:])  # (B, T-1)
+    out[:, :-1] = mask[:, 2:]
+    return out
+
+
+def medusa_position_mask(loss_mask: torch.Tensor, k: int, attention_mask: torch.Tensor | None = None):
+    """bool (B, T): position t counts for head k iff x_{t+k+2} is a (real) assistant token."""
+    mask = loss_mask.bool()
+    if attention_mask is not None:
+        mask = mask & attention_mask.bool()
+    out = torch.zeros_like(mask)
+    shift = k + 2
+    if shift < mask.shape[1]:
+        out[:, :-shift] = mask[:, shift:]
+    return out
+
+
+def chunked_logits(hidden: torch.Tensor, weight: torch.Tensor, chunk_size: int):
+    """Yield (start, logits (n, V)) for rows of hidden (N, D) in chunks."""
+    for start in range(0, hidden.shape[0], chunk_size):
+        yield start, F.linear(hidden[start:start + chunk_size], weight)
+
+
+def cross_entropy_chunked(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
+                          chunk_size: int = 1024) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mean CE of softmax(hidden @ weight.T) against labels; hidden (N, D), weight (V, D), labels (N,).
+    Returns (loss, top-1 hits (N,) bool)."""
+    if hidden.shape[0] == 0:
+        return hidden.sum() * 0.0, torch.zeros(0, dtype=torch.bool, device=hidden.device)
+    total, hits = 0.0, []
+    for start, logits in chunked_logits(hidden, weight, chunk_size):
+        chunk_labels = labels[start:start + logits.shape[0]]
+        total = total + F.cross_entropy(logits.float(), chunk_labels, reduction="sum")
+        hits.append(logits.detach().argmax(-1) == chunk_labels)
+    return total / hidden.shape[0], torch.cat(hits)
+
+
+def soft_cross_entropy_chunked(hidden: torch.Tensor, weight: torch.Tensor, target_logits: torch.Tensor | None,
+                               target_features: torch.Tensor | None = None,
+                               chunk_size: int = 1024) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mean over rows of -Σ_v p_v log q_v, q = softmax(hidden @ weight.T), p = softmax(target_logits)
+    or, when those are None, softmax(target_features @ weight.T) computed chunk by chunk (the
+    teacher's logits are never held whole). hidden / target_features (N, D), target_logits (N, V).
+    Returns (loss, hits (N,) bool: argmax q == argmax p)."""
+    if hidden.shape[0] == 0:
+        return hidden.sum() * 0.0, torch.zeros(0, dtype=torch.bool, device=hidden.device)
+    total, hits = 0.0, []
+    for start, logits in chunked_logits(hidden, weight, chunk_size):
+        stop = start + logits.shape[0]
+        with torch.no_grad():
+            teacher = (target_logits[start:stop] if target_logits is not None
+                       else F.linear(target_features[start:stop], weight)).float()
+        p = torch.softmax(teacher, -1)  # (n, V)
+        total = total - (p * torch.log_softmax(logits.float(), -1)).sum()
+        hits.append(logits.detach().argmax(-1) == teacher.argmax(-1))
+    return total / hidden.shape[0], torch.cat(hits)
+
+
+def feature_regression_loss(predicted: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """SmoothL1 (beta 1) averaged over D, then over rows; predicted/target (N, D)."""
+    if predicted.shape[0] == 0:
+        return predicted.sum() * 0.0
+    return F.smooth_l1_loss(predicted.float(), target.float(), reduction="none").mean(-1).mean()
+
+
+def eagle_loss(predicted: torch.Tensor, target_features: torch.Tensor, target_logits: torch.Tensor | None,
+               lm_head_weight: torch.Tensor, feature_loss_weight: float, logit_loss_weight: float,
+               chunk_size: int = 1024) -> dict[str, torch.Tensor]:
+    """EAGLE-1/2 loss on the counted rows only: predicted f̂ (N, D), target f (N, D), the target's
+    logits at f (N, V) or None (then lm_head(f), chunked), frozen lm_head (V, D).
+    Returns {loss, feature_loss, logit_loss, hits}."""
+    feature = feature_regression_loss(predicted, target_features)
+    if logit_loss_weight > 0:
+        logit, hits = soft_cross_entropy_chunked(predicted, lm_head_weight, target_logits, target_features,
+                                                 chunk_size)
+    else:
+        logit = predicted.sum() * 0.0
+        with torch.no_grad():
+            teacher = target_logits if target_logits is not None else F.linear(target_features, lm_head_weight)
+            hits = F.linear(predicted, lm_head_weight).argmax(-1) == teacher.argmax(-1)
+    return {"loss": feature_loss_weight * feature + logit_loss_weight * logit,
+            "feature_loss": feature.detach(), "logit_loss": logit.detach(), "hits": hits}
+
+
+def medusa_loss(head_hidden: list[torch.Tensor], lm_head_weights: list[torch.Tensor], labels: list[torch.Tensor],
+                decay: float, chunk_size: int = 1024) -> dict[str, torch.Tensor | list]:
+    """Σ_k decay**k CE_k. For head k: hidden (N_k, D) at its counted rows, lm_head (V, D), labels (N_k,).
+    Returns {loss, head_losses [K], hits [K] of bool (N_k,)}."""
+    total, losses, hits = 0.0, [], []
+    for k, (hidden, weight, label) in enumerate(zip(head_hidden, lm_head_weights, labels)):
+        loss, hit = cross_entropy_chunked(hidden, weight, label, chunk_size)
+        total = total + decay**k * loss
+        losses.append(loss.detach())
+        hits.append(hit)
+    return {"loss": total, "head_losses": losses, "hits": hits}
