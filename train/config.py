@@ -43,7 +43,18 @@ class LoggerConfig:
 
 @dataclass
 class DeepSpeedConfig:
+    """DeepSpeed ZeRO settings and the cluster shape the dry-run plan assumes.
+
+    Batch size, accumulation, precision and clipping are not here: they come from `trainer` and
+    are written into the generated DeepSpeed dict (one source of truth).
+    """
+
     enabled: bool = False
     zero_stage: int = 2
-    offload_optimizer: bool = False
+    offload_optimizer: bool = False  # ZeRO optimizer states in CPU memory
     config_file: str | None = None  # an explicit DeepSpeed JSON overrides the generated one
+    num_gpus: int = 8  # GPUs per node the plan (and scripts/launch_*.sh by default) assume
+    num_nodes: int = 1
+    gpu_memory_gb: float = 80.0  # memory of one GPU, for the plan's fit check
+    memory_headroom: float = 0.9  # fraction of gpu_memory_gb the plan lets a job use
+    target_placement: str = "auto"  # auto | replicate | split: the frozen target on each node

@@ -107,6 +107,12 @@ def validate_job(job: JobConfig) -> JobConfig:
     _choice("trainer.schedule", t.schedule, {"cosine", "linear", "constant"})
     _choice("trainer.mixed_precision", t.mixed_precision, {"auto", "no", "bf16", "fp16"})
     _choice("deepspeed.zero_stage", job.deepspeed.zero_stage, {0, 1, 2, 3})
+    _positive("deepspeed.num_gpus", job.deepspeed.num_gpus)
+    _positive("deepspeed.num_nodes", job.deepspeed.num_nodes)
+    _positive("deepspeed.gpu_memory_gb", job.deepspeed.gpu_memory_gb)
+    if not 0.0 < job.deepspeed.memory_headroom <= 1.0:
+        raise ConfigError(f"deepspeed.memory_headroom={job.deepspeed.memory_headroom} must be in (0, 1]")
+    _choice("deepspeed.target_placement", job.deepspeed.target_placement, {"auto", "replicate", "split"})
     _choice("logger.kind", job.logger.kind, {"wandb", "none"})
     _choice("logger.mode", job.logger.mode, {"offline", "online", "disabled"})
     r = job.runtime

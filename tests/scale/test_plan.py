@@ -1,0 +1,88 @@
+"""Dry-run plans: parameter counts against real modules, ZeRO accounting, fit checks."""
+import pytest
+
+from tests.tiny import tiny_llama_config, tiny_model
+from train.__main__ import compose_job
+from train.job import ConfigError, TargetArch
+from train.plan import format_plan, head_parameter_counts, make_plan, target_parameter_count
+
+
+def _tiny_arch() -> TargetArch:
+    c = tiny_llama_config()
+    return TargetArch(hidden_size=c.hidden_size, num_hidden_layers=c.num_hidden_layers,
+                      num_attention_heads=c.num_attention_heads, num_key_value_heads=c.num_key_value_heads,
+                      intermediate_size=c.intermediate_size, vocab_size=c.vocab_size)
+
+
+def test_target_parameter_count_matches_a_real_llama():
+    model = tiny_model()
+    assert target_parameter_count(_tiny_arch()) == sum(p.numel() for p in model.parameters())
+
+
+def test_eagle_head_count_matches_fc_plus_one_decoder_layer_without_input_norm():
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+    job = compose_job(["heads=eagle"])
+    job.model.arch = _tiny_arch()
+    layer = LlamaDecoderLayer(tiny_llama_config(), layer_idx=0)
+    D = job.model.arch.hidden_size
+    expected = sum(p.numel() for p in layer.parameters()) - D + 2 * D * D  # no input norm; fc [D, 2D]
+    trainable, frozen = head_parameter_counts(job)
+    assert trainable == expected
+    assert frozen == 2 * job.model.arch.vocab_size * D
+
+
+def test_medusa_counts_independent_blocks_and_lm_heads():
+    job = compose_job(["heads=medusa", "heads.medusa.num_heads=3", "heads.medusa.num_layers=2"])
+    job.model.arch = _tiny_arch()
+    D, V = 64, 128
+    assert head_parameter_counts(job) == (3 * 2 * (D * D + D) + 3 * V * D, 0)
+    job.heads.medusa.share_lm_head = True
+    assert head_parameter_counts(job) == (3 * 2 * (D * D + D), V * D)
+
+
+@pytest.mark.parametrize("recipe", ["eagle_llama3_70b", "eagle_llama3_8b", "medusa_vicuna_7b"])
+def test_recipe_plans_print(recipe):
+    text = format_plan(make_plan(compose_job([f"+recipe={recipe}"])))
+    assert "head parameters" in text and "optimizer states" in text and "steps per epoch" in text
+
+
+def test_eagle_70b_head_is_about_one_billion_and_training_fits_offline():
+    plan = make_plan(compose_job(["+recipe=eagle_llama3_70b"]), cache_dir="/")
+    assert 0.95e9 < plan.trainable_parameters < 1.05e9  # fc 134M + attention 168M + MLP 705M
+    assert plan.feature_extraction and plan.cache_bytes > 100e9  # hundreds of GB of hidden states
+    assert not any("training needs" in p for p in plan.problems)
+    assert plan.extraction_replicas_per_node == 2  # 141 GB bf16 target: 4 GPUs of 80 GB per copy
+
+
+def test_zero2_shards_gradients_and_optimizer_but_not_weights():
+    small = make_plan(compose_job(["+recipe=eagle_llama3_8b", "deepspeed.num_gpus=2"]))
+    large = make_plan(compose_job(["+recipe=eagle_llama3_8b", "deepspeed.num_gpus=8"]))
+    by_name = lambda plan: {item.name: item.gigabytes for item in plan.training}  # noqa: E731
+    assert by_name(small)["optimizer states"] == pytest.approx(4 * by_name(large)["optimizer states"])
+    assert by_name(small)["head gradients"] == pytest.approx(4 * by_name(large)["head gradients"])
+    assert by_name(small)["head weights"] == pytest.approx(by_name(large)["head weights"])
+    assert small.steps_per_epoch == pytest.approx(4 * large.steps_per_epoch, abs=4)
+    zero3 = make_plan(compose_job(["+recipe=eagle_llama3_8b", "deepspeed.zero_stage=3"]))
+    assert by_name(zero3)["head weights"] == pytest.approx(by_name(large)["head weights"] / 8)
+
+
+def test_replicated_70b_target_online_is_named_as_not_fitting():
+    job = compose_job(["+recipe=eagle_llama3_70b", "data.mode=online", "deepspeed.target_placement=replicate"])
+    plan = make_plan(job, num_records=1000, tokens_per_record=500)
+    assert any("frozen target shard" in p for p in plan.problems)
+    assert "does not fit" in format_plan(plan)
+
+
+def test_small_gpu_names_training_problem_and_counts_records_given():
+    plan = make_plan(compose_job(["+recipe=eagle_llama3_8b", "deepspeed.gpu_memory_gb=16"]), num_records=64_000)
+    assert plan.num_records == 64_000 and not plan.records_assumed
+    assert plan.steps_per_epoch == 64_000 // (4 * 1 * 8)
+    assert any(p.startswith("training needs") for p in plan.problems)
+
+
+def test_bad_deepspeed_values_are_config_errors():
+    with pytest.raises(ConfigError, match="deepspeed.target_placement"):
+        compose_job(["deepspeed.target_placement=everywhere"])
+    with pytest.raises(ConfigError, match="deepspeed.num_gpus"):
+        compose_job(["deepspeed.num_gpus=0"])

@@ -1,0 +1,293 @@
+"""Dry-run planner: what a job needs per GPU and on disk, computed from architecture numbers only.
+
+`python -m train +recipe=eagle_llama3_70b trainer.dry_run=true` prints this plan without loading
+weights or touching the network. Memory follows the ZeRO paper's accounting (mixed precision:
+2 bytes of weights + 2 of gradients + 12 of fp32 master weights and Adam moments per trained
+parameter; ZeRO-1 shards the 12, ZeRO-2 also the gradients, ZeRO-3 also the weights). Activation
+and token counts are estimates and say so.
+"""
+from __future__ import annotations
+
+import math
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from data.config import EMBEDDED_SHAREGPT
+from train.job import JobConfig, TargetArch
+
+GB = 1e9
+# The embedded ShareGPT V3 file (cut mid-record) holds 17,671 complete conversations averaging
+# ~1,790 tokens (6,441 characters at ~3.6 characters per token), measured once.
+EMBEDDED_SHAREGPT_RECORDS = 17_671
+SHAREGPT_MEAN_TOKENS = 1_790
+# The ShareGPT set the EAGLE and Medusa papers train on, for sources the plan cannot count.
+DEFAULT_RECORDS = 68_000
+# Vocabulary-sized fp32 tensors alive per token in the loss (logits, softmax, gradient).
+_VOCAB_TENSORS = {"eagle": 5, "medusa": 3}
+# Hidden-sized tensors a decoder layer keeps for backward, per token (rough, flash attention).
+_LAYER_ACTIVATIONS = 34
+
+
+@dataclass
+class Item:
+    name: str
+    gigabytes: float
+    note: str = ""
+
+
+@dataclass
+class Plan:
+    """Memory (GB per GPU) and disk needs of one job; `problems` names what does not fit."""
+
+    recipe: str
+    head_type: str
+    trainable_parameters: int
+    frozen_head_parameters: int  # target pieces the head uses (embedding, lm_head) held beside it
+    target_parameters: int
+    world_size: int
+    num_records: int
+    tokens_per_record: float
+    records_assumed: bool
+    steps_per_epoch: int
+    global_batch: int  # sequences per optimizer step, all processes
+    feature_extraction: list[Item] = field(default_factory=list)  # offline mode only
+    extraction_replicas_per_node: int = 0
+    training: list[Item] = field(default_factory=list)
+    cache_bytes: float = 0.0
+    cache_free_bytes: float | None = None
+    gpu_budget_gb: float = 0.0
+    problems: list[str] = field(default_factory=list)
+
+    @property
+    def training_gb(self) -> float:
+        return sum(item.gigabytes for item in self.training)
+
+    @property
+    def extraction_gb(self) -> float:
+        return sum(item.gigabytes for item in self.feature_extraction)
+
+
+def _require(arch: TargetArch) -> TargetArch:
+    missing = [key for key, value in vars(arch).items() if value is None]
+    if missing:
+        raise ValueError(f"the dry-run plan needs model.arch.{', model.arch.'.join(missing)} in the model config")
+    return arch
+
+
+def target_parameter_count(arch: TargetArch) -> int:
+    """Parameters of a Llama-family target with an untied lm_head."""
+    D, I, V = arch.hidden_size, arch.intermediate_size, arch.vocab_size
+    head_dim = D // arch.num_attention_heads
+    attention = 2 * D * arch.num_attention_heads * head_dim + 2 * D * arch.num_key_value_heads * head_dim
+    layer = attention + 3 * D * I + 2 * D
+    return 2 * V * D + arch.num_hidden_layers * layer + D
+
+
+def head_parameter_counts(job: JobConfig) -> tuple[int, int]:
+    """(trainable, frozen) parameters of the configured head for the target in `model.arch`.
+
+    EAGLE-1: fc [D, 2D] (+bias) and one decoder layer without input norm; it reads the target's
+    embedding and lm_head (frozen). Medusa: K heads of L ResBlocks [D, D]+bias, each with its own
+    lm_head [V, D] unless `share_lm_head` (then the target's, frozen).
+    """
+    arch = _require(job.model.arch)
+    D, I, V = arch.hidden_size, arch.intermediate_size, arch.vocab_size
+    if job.heads.type == "eagle":
+        head_dim = D // arch.num_attention_heads
+        attention = 2 * D * arch.num_attention_heads * head_dim + 2 * D * arch.num_key_value_heads * head_dim
+        fc = 2 * D * D + (D if job.heads.eagle.fc_bias else 0)
+        return fc + attention + 3 * D * I + D, 2 * V * D
+    medusa = job.heads.medusa
+    blocks = medusa.num_heads * medusa.num_layers * (D * D + D)
+    if medusa.share_lm_head:
+        return blocks, V * D
+    return blocks + medusa.num_heads * V * D, 0
+
+
+def feature_layers(job: JobConfig) -> int:
+    """How many target hidden-state layers the head reads (EAGLE-1 and Medusa: the last one)."""
+    return 1
+
+
+def estimate_records(job: JobConfig) -> tuple[int, bool]:
+    """(training records, assumed?) from the data config without reading the data."""
+    if job.data.source == EMBEDDED_SHAREGPT:
+        available = int(EMBEDDED_SHAREGPT_RECORDS * (1 - job.data.eval_fraction))
+        return (min(available, job.data.max_records) if job.data.max_records else available), False
+    if job.data.max_records:
+        return job.data.max_records, True
+    return DEFAULT_RECORDS, True
+
+
+def mean_tokens_per_record(max_length: int, mean: float = SHAREGPT_MEAN_TOKENS) -> float:
+    """Mean length after truncation at max_length, modelling lengths as exponential: E[min(X, L)]."""
+    return mean * (1 - math.exp(-max_length / mean))
+
+
+def _bytes_per_element(dtype: str) -> int:
+    return 4 if dtype in ("float32", "fp32", "no") else 2
+
+
+def _zero_states(trainable: int, stage: int, world: int, mixed: bool, offload: bool) -> list[Item]:
+    weight_bytes, grad_bytes, optim_bytes = (2, 2, 12) if mixed else (4, 4, 8)
+    shard = lambda on: world if on else 1  # noqa: E731 - a one-line table of who shards what
+    items = [
+        Item("head weights", trainable * weight_bytes / shard(stage >= 3) / GB, f"ZeRO-{stage}" if stage >= 3 else "replicated"),
+        Item("head gradients", trainable * grad_bytes / shard(stage >= 2) / GB, f"sharded /{world}" if stage >= 2 else "replicated"),
+    ]
+    optimizer = trainable * optim_bytes / shard(stage >= 1) / GB
+    note = ("fp32 master + Adam m, v" if mixed else "Adam m, v") + (f", sharded /{world}" if stage >= 1 else "")
+    if offload:
+        optimizer, note = 0.0, note + ", offloaded to CPU memory"
+    items.append(Item("optimizer states", optimizer, note))
+    return items
+
+
+def _target_placement(job: JobConfig, target_gb: float, budget_gb: float, reserve_gb: float) -> int:
+    """GPUs one copy of the target spans: 1 = replicated on every GPU, else a power of two."""
+    gpus = job.deepspeed.num_gpus
+    if job.deepspeed.target_placement == "replicate":
+        return 1
+    need = math.ceil(target_gb / max(budget_gb - reserve_gb, 1e-9))
+    if job.deepspeed.target_placement == "split":
+        need = max(need, 2)
+    span = 1
+    while span < min(need, gpus):
+        span *= 2
+    return min(span, gpus)
+
+
+def _head_items(job: JobConfig, world: int, dtype_bytes: int) -> list[Item]:
+    """Per-GPU memory of the head's training: frozen target pieces, ZeRO states, activations."""
+    arch, ds, B, T = job.model.arch, job.deepspeed, job.trainer.batch_size, job.data.max_length
+    trainable, frozen = head_parameter_counts(job)
+    items = [Item("frozen embedding + lm_head", frozen * dtype_bytes / GB, "the target's, read by the head")] if frozen else []
+    stage = ds.zero_stage if ds.enabled else 0
+    items += _zero_states(trainable, stage, world if ds.enabled else 1, dtype_bytes == 2, ds.offload_optimizer and ds.enabled)
+    vocab_tensors = _VOCAB_TENSORS[job.heads.type] * (job.heads.medusa.num_heads if job.heads.type == "medusa" else 1)
+    head_layers = 1 if job.heads.type == "eagle" else job.heads.medusa.num_layers
+    per_token = _LAYER_ACTIVATIONS * arch.hidden_size * head_layers * dtype_bytes + vocab_tensors * arch.vocab_size * 4
+    items.append(Item("activations", B * T * per_token / GB, f"estimate, micro-batch {B} x {T} tokens"))
+    return items
+
+
+def make_plan(job: JobConfig, num_records: int | None = None, tokens_per_record: float | None = None,
+              cache_dir: str | None = None) -> Plan:
+    """Plan the job's memory per GPU, feature-cache size and steps per epoch; no weights, no network.
+
+    num_records / tokens_per_record: counts from prepared data when the caller has them; otherwise
+    estimated from the data config (and marked as assumed when the source cannot be counted).
+    With the target split across S GPUs (online mode), one training process drives S GPUs, so the
+    data-parallel world is num_gpus * num_nodes / S.
+    """
+    arch = _require(job.model.arch)
+    ds, trainer = job.deepspeed, job.trainer
+    dtype_bytes = 2 if trainer.mixed_precision != "no" else 4
+    budget = ds.gpu_memory_gb * ds.memory_headroom
+    B, T, D = trainer.batch_size, job.data.max_length, arch.hidden_size
+    layers = feature_layers(job)
+    target_gb = target_parameter_count(arch) * dtype_bytes / GB
+    # no-grad target forward: the kept feature layers plus one decoder layer's transients
+    forward_gb = B * T * (layers * D + 4 * D + 2 * arch.intermediate_size) * dtype_bytes / GB
+    offline = job.data.mode == "offline"
+
+    world = ds.num_gpus * ds.num_nodes
+    training = _head_items(job, world, dtype_bytes)
+    if offline:
+        training.append(Item("feature batch", B * T * D * layers * dtype_bytes / GB, "read from the cache; target not loaded"))
+    else:
+        span = _target_placement(job, target_gb, budget, sum(i.gigabytes for i in training) + forward_gb)
+        world //= span
+        training = _head_items(job, world, dtype_bytes)
+        where = "replicated per GPU" if span == 1 else f"split across {span} GPUs per process (pipeline)"
+        training.insert(0, Item("frozen target shard", target_gb / span, where))
+        training.append(Item("target forward (no grad)", forward_gb, "features of one micro-batch"))
+
+    assumed = False
+    if num_records is None:
+        num_records, assumed = estimate_records(job)
+    if tokens_per_record is None:
+        tokens_per_record = mean_tokens_per_record(T)
+    trainable, frozen = head_parameter_counts(job)
+    global_batch = B * trainer.grad_accumulation * world
+    plan = Plan(
+        recipe=job.recipe, head_type=job.heads.type, trainable_parameters=trainable,
+        frozen_head_parameters=frozen, target_parameters=target_parameter_count(arch), world_size=world,
+        num_records=num_records, tokens_per_record=tokens_per_record, records_assumed=assumed,
+        steps_per_epoch=max(1, math.ceil(num_records / global_batch)), global_batch=global_batch,
+        training=training, gpu_budget_gb=budget,
+    )
+    if offline:
+        span = _target_placement(job, target_gb, budget, forward_gb)
+        plan.extraction_replicas_per_node = max(1, ds.num_gpus // span)
+        where = ("replicated per GPU" if span == 1
+                 else f"split across {span} GPUs; {plan.extraction_replicas_per_node} copies per node")
+        plan.feature_extraction = [
+            Item("frozen target shard", target_gb / span, where),
+            Item("target forward (no grad)", forward_gb, f"micro-batch {B} x {T}"),
+        ]
+        cache_element = 4 if job.data.feature_cache_dtype == "float32" else 2
+        # hidden states + input ids (int32) + loss mask (1 byte) per token
+        plan.cache_bytes = num_records * tokens_per_record * (D * layers * cache_element + 4 + 1)
+        plan.cache_free_bytes = _free_bytes(cache_dir or job.data.feature_cache_dir or trainer.output_dir)
+    _check(plan, job)
+    return plan
+
+
+def _free_bytes(path: str) -> float | None:
+    folder = Path(path).expanduser().resolve()
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent
+    try:
+        return float(shutil.disk_usage(folder).free)
+    except OSError:
+        return None
+
+
+def _check(plan: Plan, job: JobConfig) -> None:
+    ds = job.deepspeed
+    if plan.training_gb > plan.gpu_budget_gb:
+        biggest = max(plan.training, key=lambda item: item.gigabytes)
+        hint = (" (try data.mode=offline, a smaller trainer.batch_size, or deepspeed.zero_stage=3)"
+                if biggest.name == "frozen target shard" else " (try a smaller trainer.batch_size or data.max_length)")
+        plan.problems.append(
+            f"training needs {plan.training_gb:.1f} GB per GPU > {plan.gpu_budget_gb:.1f} GB usable "
+            f"(deepspeed.gpu_memory_gb={ds.gpu_memory_gb:g} x {ds.memory_headroom:g}); largest: {biggest.name} "
+            f"{biggest.gigabytes:.1f} GB{hint}")
+    if plan.extraction_gb > plan.gpu_budget_gb:
+        plan.problems.append(
+            f"feature extraction needs {plan.extraction_gb:.1f} GB per GPU > {plan.gpu_budget_gb:.1f} GB usable "
+            f"even split across {ds.num_gpus} GPUs")
+    if plan.cache_free_bytes is not None and plan.cache_bytes > plan.cache_free_bytes:
+        plan.problems.append(
+            f"feature cache needs {plan.cache_bytes / GB:,.0f} GB on disk; {plan.cache_free_bytes / GB:,.0f} GB free "
+            f"where it would be written (data.feature_cache_dir)")
+    if ds.enabled and ds.zero_stage == 0:
+        plan.problems.append("deepspeed.enabled with zero_stage=0 shards nothing; use DDP (deepspeed=none)")
+
+
+def format_plan(plan: Plan) -> str:
+    """The plan as a table for the terminal."""
+    lines = [
+        f"dry run: {plan.recipe} ({plan.head_type} head), {plan.world_size} data-parallel process(es)",
+        f"  head parameters: {plan.trainable_parameters:,} trainable"
+        + (f" + {plan.frozen_head_parameters:,} frozen (target embedding/lm_head)" if plan.frozen_head_parameters else ""),
+        f"  target parameters: {plan.target_parameters:,}",
+        f"  data: {plan.num_records:,} records{' (assumed)' if plan.records_assumed else ''}, "
+        f"~{plan.tokens_per_record:,.0f} tokens each (estimate)",
+        f"  steps per epoch: {plan.steps_per_epoch:,} (global batch {plan.global_batch:,} sequences per optimizer step)",
+    ]
+    if plan.feature_extraction:
+        lines.append(f"  feature extraction, per GPU ({plan.extraction_gb:.1f} / {plan.gpu_budget_gb:.1f} GB usable):")
+        lines += [f"    {i.name:<28} {i.gigabytes:8.2f} GB  {i.note}" for i in plan.feature_extraction]
+        free = "unknown" if plan.cache_free_bytes is None else f"{plan.cache_free_bytes / GB:,.0f} GB free"
+        lines.append(f"  feature cache on disk: {plan.cache_bytes / GB:,.1f} GB ({free})")
+    lines.append(f"  training, per GPU ({plan.training_gb:.1f} / {plan.gpu_budget_gb:.1f} GB usable):")
+    lines += [f"    {i.name:<28} {i.gigabytes:8.2f} GB  {i.note}" for i in plan.training]
+    if plan.problems:
+        lines.append("  does not fit:")
+        lines += [f"    - {problem}" for problem in plan.problems]
+    else:
+        lines.append("  fits.")
+    return "\n".join(lines)
