@@ -1,0 +1,82 @@
+"""Prompts for the speculative-decoding eval: held-out conversations cut before their first
+assistant reply, or a user JSONL of prompts."""
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+from data.config import DataConfig
+from data.records import ROLES
+from data.sources import load_conversations
+from data.split import split_indices
+from data.template import prompt_ids
+
+log = logging.getLogger(__name__)
+
+
+def _prompt(record_id: str, messages: list[dict], reference: str | None, tokenizer) -> dict:
+    return {"id": record_id, "prompt_ids": prompt_ids(tokenizer, messages), "messages": messages,
+            "reference": reference}
+
+
+def eval_prompts(config: DataConfig, tokenizer, n: int, max_prompt_tokens: int) -> list[dict]:
+    """Up to n held-out prompts (the eval side of the split, never in training): each is
+    `{"id", "prompt_ids": list[int], "messages", "reference": str}` where messages run up to the
+    first assistant reply (rendered with the generation prompt) and reference is that reply.
+    Prompts longer than max_prompt_tokens are passed over (and counted in the log)."""
+    conversations, _ = load_conversations(config)
+    _, held_out = split_indices(list(conversations["id"]), config.eval_fraction, config.split_seed)
+    prompts, too_long = [], 0
+    for row in conversations.select(held_out):
+        if len(prompts) >= n:
+            break
+        messages = row["messages"]
+        first = next(i for i, m in enumerate(messages) if m["role"] == "assistant")
+        prompt = _prompt(row["id"], messages[:first], messages[first]["content"], tokenizer)
+        if len(prompt["prompt_ids"]) > max_prompt_tokens:
+            too_long += 1
+            continue
+        prompts.append(prompt)
+    log.info("eval prompts: %d from %d held-out conversations (%d longer than %d tokens passed over)",
+             len(prompts), len(held_out), too_long, max_prompt_tokens)
+    return prompts
+
+
+def load_prompt_file(path: str | Path, tokenizer, max_prompt_tokens: int | None = None) -> list[dict]:
+    """Prompts from a JSONL file of `{"prompt": str}` or `{"messages": [{"role", "content"}]}`
+    (optional "id", "reference"). A trailing assistant message becomes the reference. Malformed
+    lines and over-long prompts are errors naming the line."""
+    prompts = []
+    with open(path, encoding="utf-8") as handle:
+        for line_number, line in enumerate(handle, 1):
+            if not line.strip():
+                continue
+            where = f"{path} line {line_number}"
+            try:
+                item = json.loads(line)
+            except json.JSONDecodeError as error:
+                raise ValueError(f"{where}: invalid JSON ({error.msg})") from None
+            reference = item.get("reference") if isinstance(item, dict) else None
+            if isinstance(item, dict) and isinstance(item.get("prompt"), str):
+                messages = [{"role": "user", "content": item["prompt"]}]
+            elif isinstance(item, dict) and isinstance(item.get("messages"), list) and item["messages"]:
+                messages = [_message(m, where) for m in item["messages"]]
+                if messages[-1]["role"] == "assistant":
+                    reference = messages.pop()["content"]
+                if not messages:
+                    raise ValueError(f"{where}: no messages before the assistant reply")
+            else:
+                raise ValueError(f"{where}: expected {{'prompt': str}} or {{'messages': [...]}}")
+            prompt = _prompt(str(item.get("id", f"line{line_number}")), messages, reference, tokenizer)
+            if max_prompt_tokens is not None and len(prompt["prompt_ids"]) > max_prompt_tokens:
+                raise ValueError(f"{where}: prompt has {len(prompt['prompt_ids'])} tokens > {max_prompt_tokens}")
+            prompts.append(prompt)
+    return prompts
+
+
+def _message(message, where: str) -> dict:
+    if not (isinstance(message, dict) and isinstance(message.get("content"), str)
+            and str(message.get("role", "")).lower() in ROLES):
+        raise ValueError(f"{where}: bad message {message!r:.120} (needs a known 'role' and a string 'content')")
+    return {"role": ROLES[message["role"].lower()], "content": message["content"]}

@@ -1,0 +1,80 @@
+"""Chat-template rendering and the assistant-only loss mask, derived from the template itself.
+
+Convention: `loss_mask[t] = 1` when token t is part of an assistant reply, i.e. a token the model
+must *predict*: every token that holds a character of a reply's content, plus the end-of-turn
+token the template emits right after it (`<|im_end|>`, `<|eot_id|>`, `</s>`). System and user
+text, the template's headers (`<|im_start|>assistant\\n`) and anything after the end-of-turn token
+are 0. The mask is aligned with the labels: the logits at position t-1 are scored on token t when
+`loss_mask[t] = 1` (shift by one in the loss, as for `input_ids`).
+
+How the reply spans are found, without guessing from strings: for each assistant turn i the
+template renders (a) the history with the generation prompt, (b) the history plus the reply, and
+(c) the history plus a sentinel reply. (a) must be a prefix of (b) and (b) of the whole render;
+(c) tells what the template writes around a reply (before: usually nothing; after: the end-of-turn
+marker), so the reply as rendered (trimmed, for Llama-3) is the middle of (b)'s new part. The whole
+render is tokenized once with offsets; a reply's tokens are those overlapping its character span,
+and the token starting exactly at the span's end is its end-of-turn token. When the reply's last
+token would merge with the template's text (no token boundary there), the record is refused.
+"""
+from __future__ import annotations
+
+from bisect import bisect_right
+
+_SENTINEL = "SPECHEADSREPLYSENTINEL"
+
+
+class TemplateMismatch(ValueError):
+    """The chat template cannot give an exact mask for this conversation."""
+
+
+def render(tokenizer, messages: list[dict], add_generation_prompt: bool = False) -> str:
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+
+
+def reply_spans(tokenizer, messages: list[dict]) -> tuple[str, list[tuple[int, int]]]:
+    """The full render and the character span [start, end) of each assistant reply in it."""
+    full = render(tokenizer, messages)
+    spans = []
+    for i, message in enumerate(messages):
+        if message["role"] != "assistant":
+            continue
+        head = render(tokenizer, messages[:i], add_generation_prompt=True)
+        turn = render(tokenizer, messages[: i + 1])
+        probe = render(tokenizer, messages[:i] + [{"role": "assistant", "content": _SENTINEL}])
+        if not (full.startswith(turn) and turn.startswith(head) and probe.startswith(head)):
+            raise TemplateMismatch(f"turn {i}: the template's renders of growing prefixes are not prefixes "
+                                   "of each other, so reply positions cannot be derived")
+        before, found, after = probe[len(head):].partition(_SENTINEL)
+        segment = turn[len(head):]
+        if not found or not (segment.startswith(before) and segment.endswith(after)
+                             and len(segment) >= len(before) + len(after)):
+            raise TemplateMismatch(f"turn {i}: the template does not render the reply between a fixed "
+                                   f"header {before!r} and end marker {after!r}")
+        spans.append((len(head) + len(before), len(turn) - len(after)))
+    return full, spans
+
+
+def tokenize_with_mask(tokenizer, messages: list[dict]) -> tuple[list[int], list[int]]:
+    """Render `messages` with the tokenizer's chat template; returns (input_ids, loss_mask), both
+    length T. Needs a fast tokenizer (offsets)."""
+    full, spans = reply_spans(tokenizer, messages)
+    encoded = tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
+    ids, offsets = list(encoded["input_ids"]), encoded["offset_mapping"]
+    ends = [end for _, end in offsets]
+    mask = [0] * len(ids)
+    for start, end in spans:
+        t = bisect_right(ends, start)  # first token ending after the reply starts
+        while t < len(ids) and offsets[t][0] < end:
+            mask[t] = 1
+            t += 1
+        if t >= len(ids) or offsets[t][0] != end:
+            raise TemplateMismatch(f"no token boundary where the reply ending at character {end} meets "
+                                   "the template's end-of-turn text")
+        mask[t] = 1  # end-of-turn token
+    return ids, mask
+
+
+def prompt_ids(tokenizer, messages: list[dict]) -> list[int]:
+    """Token ids of `messages` rendered with the generation prompt (the model's next turn)."""
+    full = render(tokenizer, messages, add_generation_prompt=True)
+    return list(tokenizer(full, add_special_tokens=False)["input_ids"])
