@@ -1,0 +1,66 @@
+"""A preallocated KV cache for the lean forward: fixed capacity, no reallocation per step.
+
+The cache holds `length` committed entries in slots [0, length). A forward over N new tokens writes
+their keys/values into slots [length, length + N) ("pending"); after verification `compact` keeps
+the accepted ones, moved in place to consecutive slots, and drops the rest.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+
+class KVCache:
+    """k, v: (L, Hkv, S, hd) buffers; S = max_length fixed at construction."""
+
+    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, max_length: int,
+                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"):
+        shape = (num_layers, num_kv_heads, max_length, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.length = 0
+        self.pending = 0
+
+    @property
+    def max_length(self) -> int:
+        return self.k.shape[2]
+
+    def reserve(self, n: int) -> None:
+        """Start a forward over n new tokens (they go to slots [length, length + n))."""
+        if self.length + n > self.max_length:
+            raise ValueError(f"KV cache full: {self.length} + {n} > max_length {self.max_length}")
+        self.pending = n
+
+    def write(self, layer: int, k_new: torch.Tensor, v_new: torch.Tensor) -> None:
+        """k_new, v_new: (Hkv, N, hd) for the pending slots of one layer."""
+        end = self.length + k_new.shape[1]
+        self.k[layer, :, self.length:end] = k_new
+        self.v[layer, :, self.length:end] = v_new
+
+    def compact(self, accepted: Sequence[int] | torch.Tensor) -> None:
+        """Keep the pending entries `accepted` (indices into the last forward's N tokens, in path
+        order), moved in place to slots [length, length + A); discard the other pending entries."""
+        accepted = accepted.tolist() if torch.is_tensor(accepted) else list(accepted)
+        count = len(accepted)
+        if any(not 0 <= i < self.pending for i in accepted):
+            raise ValueError(f"compact: indices {accepted} outside the {self.pending} pending entries")
+        if accepted != list(range(count)):  # a prefix of the pending block is already in place
+            source = torch.tensor(accepted, device=self.k.device) + self.length
+            target = slice(self.length, self.length + count)
+            self.k[:, :, target] = self.k.index_select(2, source)
+            self.v[:, :, target] = self.v.index_select(2, source)
+        self.length += count
+        self.pending = 0
+
+    def commit(self) -> None:
+        """Keep all pending entries (plain decoding, prefill)."""
+        self.length += self.pending
+        self.pending = 0
+
+    def truncate(self, length: int) -> None:
+        """Forget committed entries beyond `length` (a drafter rolling back its own cache)."""
+        if not 0 <= length <= self.length:
+            raise ValueError(f"truncate: {length} not in [0, {self.length}]")
+        self.length = length
+        self.pending = 0
