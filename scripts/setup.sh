@@ -23,7 +23,7 @@ fi
 PIP="$VENV/bin/python -m pip --quiet --disable-pip-version-check"
 # Torch first and explicitly, so no dependency range below can pull a different (multi-GB) build.
 $PIP install "$SPECHEADS_TORCH" 2>&1 | grep -v "is ignored" || true
-$VENV/bin/python -c "import torch" || { echo "torch failed to install" >&2; exit 1; }
+$VENV/bin/python -W ignore -c "import torch" 2>/dev/null || { echo "torch failed to install" >&2; exit 1; }
 # DeepSpeed ships as an sdist: build it without ops (they JIT-compile on first use, which we avoid).
 export DS_BUILD_OPS=0 DS_SKIP_CUDA_CHECK=1
 $PIP install -e ".[test]" 2>&1 | grep -v "is ignored" || true
