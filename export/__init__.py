@@ -1,0 +1,13 @@
+"""Export trained heads as folders that serving engines load as they are (see docs/serving.md).
+
+Formats: `native` (our checkpoint layout, read by `heads.io.load_head`, eval and `trainer.init_from`),
+`eagle` (EAGLE-1/2 for SGLang and the EAGLE reference loader), `eagle_vllm` (the same for vLLM),
+`medusa` (FasterDecoding layout read by TensorRT-LLM). Each folder carries `specheads.json` and a
+model card `README.md`.
+"""
+from export.formats import ENGINE_FORMATS, FORMAT_NAMES, ExportError, get_format, resolve_formats
+from export.validate import ExportValidationError, load_export, read_manifest, validate_export
+from export.writer import export_all, export_head
+
+__all__ = ["ENGINE_FORMATS", "FORMAT_NAMES", "ExportError", "ExportValidationError", "export_all", "export_head",
+           "get_format", "load_export", "read_manifest", "resolve_formats", "validate_export"]

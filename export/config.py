@@ -1,4 +1,4 @@
-"""Export settings (the `export` config group)."""
+"""Export settings (the `export` config group; also the whole config of `python -m export`)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -6,7 +6,12 @@ from dataclasses import dataclass, field
 
 @dataclass
 class ExportConfig:
-    formats: list[str] = field(default_factory=lambda: ["native", "engine"])  # native | eagle | medusa | engine (the head type's own engine layout)
-    dtype: str = "bfloat16"  # bfloat16 | float16 | float32
-    out: str | None = None  # default: <run_dir>/export/<format>
-    ckpt: str | None = None  # for `python -m export`: checkpoint or native export to read
+    # native | eagle (SGLang) | eagle_vllm | medusa | engine (every engine layout of the head type)
+    formats: list[str] = field(default_factory=lambda: ["native", "engine"])
+    dtype: str = "bfloat16"  # bfloat16 | float16 | float32, for the engine layouts
+    native_dtype: str | None = "float32"  # native keeps full precision so training can resume; None: `dtype`
+    out: str | None = None  # job: default <run_dir>/export/<format>; `python -m export`: the folder (or root)
+    ckpt: str | None = None  # for `python -m export`: checkpoint or export folder to read
+    format: str | None = None  # for `python -m export`: one format into `out` (None: `formats` into out/<fmt>)
+    base: str | None = None  # base model spec (hub id, folder, GGUF, embedded:...); None: the head's target
+    strict_fingerprint: bool = True  # refuse a head whose target fingerprint differs from the base model's

@@ -127,10 +127,12 @@ def validate_job(job: JobConfig) -> JobConfig:
     _positive("runtime.tree_depth", r.tree_depth)
     _positive("runtime.tree_top_k", r.tree_top_k)
     for fmt in job.export.formats:
-        _choice("export.formats[]", fmt, {"native", "eagle", "medusa", "engine"})
+        _choice("export.formats[]", fmt, {"native", "eagle", "eagle_vllm", "medusa", "engine"})
     _choice("export.dtype", job.export.dtype, {"bfloat16", "float16", "float32"})
-    if job.heads.type == "medusa" and "eagle" in job.export.formats:
-        raise ConfigError("export.formats contains 'eagle' but heads.type=medusa")
+    if job.export.native_dtype is not None:
+        _choice("export.native_dtype", job.export.native_dtype, {"bfloat16", "float16", "float32"})
+    if job.heads.type == "medusa" and {"eagle", "eagle_vllm"} & set(job.export.formats):
+        raise ConfigError("export.formats contains an eagle layout but heads.type=medusa")
     if job.heads.type == "eagle" and "medusa" in job.export.formats:
         raise ConfigError("export.formats contains 'medusa' but heads.type=eagle")
     return job

@@ -1,0 +1,111 @@
+"""`python -m export ckpt=DIR format=eagle out=DIR [dtype=bfloat16] [base=MODEL]` (Hydra, config
+conf/export/default.yaml) and `python -m export validate DIR [base=MODEL]`.
+
+ckpt: a head checkpoint or any export folder. format: one of native, eagle, eagle_vllm, medusa
+(written into `out`); without it every entry of `formats` is written to `out/<format>`. base: the
+base model (hub id, local folder, GGUF file, `embedded:smollm2-135m-instruct`); default: the
+target the head was trained on. Hydra and OmegaConf stop here.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import sys
+from pathlib import Path
+
+import hydra
+from hydra.errors import HydraException
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from export.config import ExportConfig
+
+CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf" / "export")
+USAGE = "usage: python -m export ckpt=DIR format=FORMAT out=DIR [dtype=...] [base=MODEL]\n" \
+        "       python -m export validate DIR [base=MODEL]"
+
+
+def load_base(spec: str):
+    from heads.target import TargetConfig, load_target
+
+    return load_target(TargetConfig(name_or_path=spec, device="cpu"))
+
+
+def _measured_runtime(manifest: dict) -> dict | None:
+    """Runtime settings to carry into a re-export: a checkpoint's own record as it is, an earlier
+    export's only when it was measured (flattened back to eval's keys)."""
+    runtime = manifest.get("runtime")
+    if not isinstance(runtime, dict):
+        return None
+    if "source" not in runtime:
+        return runtime
+    if runtime["source"] != "measured":
+        return None
+    if "medusa_choices" in runtime:
+        return {"medusa_choices": runtime["medusa_choices"]}
+    return {**runtime["tree"], "chain_depth": runtime["chain_depth"]}
+
+
+def run_export(cfg: ExportConfig) -> dict[str, Path]:
+    from export import ExportError, export_all, export_head, load_export
+
+    if not cfg.ckpt or not cfg.out:
+        raise ExportError("ckpt=... and out=... are required\n" + USAGE)
+    head, config, manifest = load_export(cfg.ckpt, None, dtype="float32")
+    target = load_base(cfg.base or config.target_name)
+    extra = {key: manifest.get(key) for key in ("training", "eval") if isinstance(manifest.get(key), dict)}
+    runtime = _measured_runtime(manifest)
+    if runtime:
+        extra["runtime"] = runtime
+    if cfg.format is None:
+        return export_all(head, config, cfg.formats, cfg.out, target, cfg.dtype, cfg.native_dtype, extra)
+    dtype = (cfg.native_dtype or cfg.dtype) if cfg.format == "native" else cfg.dtype
+    return {cfg.format: export_head(head, config, cfg.format, cfg.out, target, dtype, extra, cfg.strict_fingerprint)}
+
+
+def run_validate(args: list[str]) -> int:
+    from export import ExportValidationError, validate_export
+
+    folders = [arg for arg in args if "=" not in arg]
+    options = dict(arg.split("=", 1) for arg in args if "=" in arg)
+    if len(folders) != 1 or set(options) - {"base"}:
+        print(USAGE, file=sys.stderr)
+        return 2
+    target = load_base(options["base"]) if options.get("base") else None
+    try:
+        summary = validate_export(folders[0], target)
+    except ExportValidationError as error:
+        print(f"INVALID {error}", file=sys.stderr)
+        return 1
+    print(json.dumps({"valid": True, **summary}, indent=2))
+    return 0
+
+
+def to_export_config(cfg: DictConfig) -> ExportConfig:
+    merged = OmegaConf.merge(OmegaConf.structured(ExportConfig), cfg)
+    return OmegaConf.to_object(merged)
+
+
+@hydra.main(config_path=CONF_DIR, config_name="default", version_base="1.3")
+def main(cfg: DictConfig) -> None:
+    from export import ExportError
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", force=True)
+    try:
+        paths = run_export(to_export_config(cfg))
+    except (ExportError, OmegaConfBaseException) as error:
+        print(f"export error: {error}", file=sys.stderr)
+        sys.exit(2)
+    for fmt, path in paths.items():
+        print(f"{fmt}: {path}")
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] == "validate":
+        sys.exit(run_validate(sys.argv[2:]))
+    sys.argv += ["hydra.run.dir=.", "hydra.output_subdir=null", "hydra/job_logging=none", "hydra/hydra_logging=none"]
+    try:
+        main()
+    except HydraException as error:
+        print(f"config error: {error}", file=sys.stderr)
+        sys.exit(2)

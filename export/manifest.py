@@ -1,0 +1,213 @@
+"""`specheads.json` (what an export is, for which base model, how to run it, how well it did) and
+the generated `README.md` model card."""
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from importlib import metadata
+from pathlib import Path
+
+from export.formats import EXPORT_FORMAT_VERSION, BaseModel, Format
+from export.medusa import default_choices
+from heads.io import head_type
+
+MANIFEST_NAME = "specheads.json"
+README_NAME = "README.md"
+
+# Where an embedded target's weights come from, for engines that load the base model by hub id.
+_HUB_IDS = {"embedded:smollm2-135m-instruct": "HuggingFaceTB/SmolLM2-135M-Instruct"}
+# EAGLE-2 dynamic-tree defaults of the reference (FORMATS.md), used only when nothing was measured.
+_EAGLE_DEFAULTS = {"top_k": 10, "depth": 6, "total_tokens": 60, "chain_depth": 4}
+_KNOWN_EXTRA = ("runtime", "training", "eval", "base_model_id", "notes")
+
+
+def hub_id_for(name: str) -> str:
+    return _HUB_IDS.get(name, name)
+
+
+def base_model_from_target(target, hub_id: str | None = None) -> BaseModel:
+    """The identity and shared tensors of a `heads.target.FrozenTarget`."""
+    config = target.config
+    architecture = (getattr(config, "architectures", None) or [type(target.model).__name__])[0]
+    return BaseModel(
+        name=target.name, hub_id=hub_id or hub_id_for(target.name), architecture=architecture,
+        model_type=getattr(config, "model_type", "llama"), embed_tokens=target.embed_tokens.weight,
+        lm_head=target.lm_head.weight, bos_token_id=getattr(config, "bos_token_id", None),
+        eos_token_id=getattr(config, "eos_token_id", None),
+    )
+
+
+def sha256_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _text_hash(text: str | None) -> str | None:
+    return hashlib.sha256(text.encode()).hexdigest()[:16] if text else None
+
+
+def feature_convention(kind: str, num_layers: int) -> dict:
+    """Which target hidden state the head reads, spelled out (tools number layers differently)."""
+    return {
+        "hidden_states_index": num_layers,
+        "numbering": "transformers output_hidden_states: 0 = embedding output, i = output of decoder layer i-1 "
+                     f"(0-based), {num_layers} = last layer's output after the model's final norm",
+        "feature": "the target's last hidden state after its final norm (what vLLM, SGLang and TensorRT-LLM "
+                   "pass to EAGLE-1/2 and Medusa heads)",
+        "predicts": ("f_{t+1}: input cat(embed(x_{t+1}), f_t), embedding first; logits = target lm_head(f_{t+1})"
+                     if kind == "eagle" else "head k (0-based) predicts the token k+2 positions after the feature"),
+    }
+
+
+def recommended_runtime(config, runtime: dict | None) -> dict:
+    """Runtime settings for the head plus each engine's flag values for them. `runtime` holds what
+    eval measured (eagle: top_k, depth, total_tokens, chain_depth; medusa: medusa_choices)."""
+    runtime = dict(runtime or {})
+    if head_type(config) == "eagle":
+        values = {key: int(runtime.get(key, default)) for key, default in _EAGLE_DEFAULTS.items()}
+        source = "measured" if any(key in runtime for key in _EAGLE_DEFAULTS) else "default (not measured)"
+        return {
+            "tree": {key: values[key] for key in ("top_k", "depth", "total_tokens")},
+            "chain_depth": values["chain_depth"], "source": source,
+            "sglang": {"speculative_num_steps": values["depth"], "speculative_eagle_topk": values["top_k"],
+                       "speculative_num_draft_tokens": values["total_tokens"]},
+            "vllm": {"num_speculative_tokens": values["chain_depth"]},
+        }
+    choices = runtime.get("medusa_choices")
+    source = "measured" if choices else "default (not measured)"
+    choices = [list(path) for path in choices] if choices else default_choices(config.num_heads)
+    return {
+        "medusa_choices": choices, "source": source,
+        "tensorrt_llm": {"num_medusa_heads": config.num_heads, "max_draft_len": len(choices)},
+    }
+
+
+def build_manifest(fmt: Format, config, base: BaseModel, target, dtype: str, files: dict,
+                   extra: dict | None = None) -> dict:
+    """The `specheads.json` content. `extra` may hold runtime/training/eval dicts (see export_head)."""
+    extra = dict(extra or {})
+    try:
+        version = metadata.version("specheads")
+    except metadata.PackageNotFoundError:
+        version = "unknown"
+    tokenizer = getattr(target, "tokenizer", None)
+    manifest = {
+        "format": fmt.name,
+        "format_version": EXPORT_FORMAT_VERSION,
+        "specheads_version": version,
+        "created_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "head_type": head_type(config),
+        "engines": list(fmt.engines),
+        "dtype": dtype,
+        "weights_file": fmt.weights_file,
+        "config_file": fmt.config_file,
+        "head_config": config.to_dict(),
+        "base_model": {
+            "name_or_path": base.name,
+            "hub_id": base.hub_id,
+            "architecture": base.architecture,
+            "fingerprint": target.fingerprint(),
+            "tokenizer_hash": target.tokenizer_hash() if tokenizer is not None else None,
+            "chat_template_hash": _text_hash(getattr(target, "chat_template", None)),
+        },
+        "feature_layer": feature_convention(head_type(config), target.num_layers),
+        "runtime": recommended_runtime(config, extra.get("runtime")),
+        "training": extra.get("training"),
+        "eval": extra.get("eval"),
+        "notes": list(extra.get("notes") or []),
+        "files": files,
+    }
+    unknown = {key: value for key, value in extra.items() if key not in _KNOWN_EXTRA}
+    if unknown:
+        manifest["extra"] = unknown
+    return manifest
+
+
+def serve_command(manifest: dict, folder: str = "./THIS_FOLDER") -> str:
+    """The launch command of the engine this format is for (see docs/serving.md)."""
+    base, runtime, fmt = manifest["base_model"]["hub_id"], manifest["runtime"], manifest["format"]
+    if fmt == "eagle":
+        s = runtime["sglang"]
+        return (f"python -m sglang.launch_server --model-path {base} \\\n  --speculative-algorithm EAGLE "
+                f"--speculative-draft-model-path {folder} \\\n  --speculative-num-steps {s['speculative_num_steps']} "
+                f"--speculative-eagle-topk {s['speculative_eagle_topk']} "
+                f"--speculative-num-draft-tokens {s['speculative_num_draft_tokens']}")
+    if fmt == "eagle_vllm":
+        spec = json.dumps({"method": "eagle", "model": folder,
+                           "num_speculative_tokens": runtime["vllm"]["num_speculative_tokens"]})
+        return f"vllm serve {base} \\\n  --speculative-config '{spec}'"
+    if fmt == "medusa":
+        head, trt = manifest["head_config"], runtime["tensorrt_llm"]
+        return (f"python examples/medusa/convert_checkpoint.py --model_dir <{base} folder> \\\n"
+                f"  --medusa_model_dir {folder} --num_medusa_heads {head['num_heads']} "
+                f"--num_medusa_layers {head['num_layers']} --max_medusa_token_len {max(63, trt['max_draft_len'])} \\\n"
+                "  --output_dir ./tllm_ckpt --dtype float16\n"
+                "trtllm-build --checkpoint_dir ./tllm_ckpt --output_dir ./engine \\\n"
+                "  --speculative_decoding_mode medusa --gemm_plugin float16\n"
+                "python examples/run.py --engine_dir ./engine --tokenizer_dir <base folder> \\\n"
+                "  --medusa_choices=\"$(python -c 'import json; print(json.load(open(\"" + folder
+                + "/config.json\"))[\"medusa_choices\"])')\" --temperature 1.0 --input_text 'Hello'")
+    return (f"python -m train trainer.init_from={folder}   # in Python: heads.io.load_head('{folder}') "
+            f"or export.load_export('{folder}')")
+
+
+def _table(values: dict | None) -> str:
+    if not values:
+        return "_not recorded_\n"
+    rows = [f"| {key} | {json.dumps(value) if isinstance(value, (dict, list)) else value} |"
+            for key, value in values.items()]
+    return "| figure | value |\n| --- | --- |\n" + "\n".join(rows) + "\n"
+
+
+def model_card(manifest: dict) -> str:
+    """A hub-pushable README.md for the export folder."""
+    kind, fmt, base = manifest["head_type"], manifest["format"], manifest["base_model"]
+    tags = ["speculative-decoding", kind, "specheads", *manifest["engines"]]
+    files = "\n".join(f"| `{name}` | {info['bytes']} | `{info['sha256'][:16]}…` |"
+                      for name, info in manifest["files"].items())
+    notes = "".join(f"- {note}\n" for note in manifest["notes"]) or "- none\n"
+    return f"""---
+base_model: {base['hub_id']}
+library_name: specheads
+tags: [{', '.join(tags)}]
+---
+# {kind.upper()} head for {base['hub_id']} (`{fmt}` export)
+
+A speculative-decoding draft head trained by specheads on the frozen target `{base['name_or_path']}`
+({base['architecture']}). Layout `{fmt}` (format version {manifest['format_version']}), weights in
+{manifest['dtype']}, for: {', '.join(manifest['engines'])}.
+
+## Serve it
+
+```bash
+{serve_command(manifest)}
+```
+
+Recommended settings ({manifest['runtime']['source']}): `{json.dumps({k: v for k, v in manifest['runtime'].items() if k != 'source'})}`
+
+## Base model
+
+- fingerprint id `{base['fingerprint'].get('id')}` (architecture numbers + embedding/lm_head digests);
+  `python -m export validate THIS_FOLDER base=<model>` checks a base model against it
+- tokenizer hash `{base['tokenizer_hash']}`, chat-template hash `{base['chat_template_hash']}`
+- feature: {manifest['feature_layer']['feature']}; {manifest['feature_layer']['predicts']}
+
+## Training
+
+{_table(manifest['training'])}
+## Evaluation
+
+{_table(manifest['eval'])}
+## Files
+
+| file | bytes | sha256 |
+| --- | --- | --- |
+{files}
+
+## Notes
+
+{notes}"""

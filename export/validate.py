@@ -1,0 +1,159 @@
+"""Check an export folder against its format's schema and a base model, and load it back."""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+from export.formats import DTYPES as _DTYPES
+from export.formats import EXPORT_FORMAT_VERSION, ExportError, Format, get_format, shape_problems
+from export.manifest import MANIFEST_NAME, sha256_file
+from heads.io import CONFIG_NAME as NATIVE_CONFIG_NAME
+from heads.io import build_buffers, build_head, check_against_target, config_from_dict, load_head
+
+_REQUIRED = ("format", "format_version", "head_type", "dtype", "head_config", "base_model", "files", "runtime",
+             "feature_layer")
+
+
+class ExportValidationError(ExportError):
+    """An export folder does not match its schema or the base model; `problems` names each field."""
+
+    def __init__(self, folder, problems: list[str]):
+        self.problems = list(problems)
+        super().__init__(f"{folder} is not a valid export:\n  - " + "\n  - ".join(self.problems))
+
+
+def read_manifest(folder: str | os.PathLike) -> dict:
+    path = Path(folder) / MANIFEST_NAME
+    if not path.is_file():
+        raise ExportValidationError(folder, [f"{MANIFEST_NAME}: missing (not a complete specheads export)"])
+    try:
+        manifest = json.loads(path.read_text())
+    except json.JSONDecodeError as error:
+        raise ExportValidationError(folder, [f"{MANIFEST_NAME}: not valid JSON ({error})"]) from None
+    missing = [f"{MANIFEST_NAME}.{key}: missing" for key in _REQUIRED if key not in manifest]
+    if missing:
+        raise ExportValidationError(folder, missing)
+    if manifest["format_version"] != EXPORT_FORMAT_VERSION:
+        raise ExportValidationError(folder, [f"{MANIFEST_NAME}.format_version: {manifest['format_version']!r}, "
+                                             f"this specheads reads {EXPORT_FORMAT_VERSION}"])
+    if manifest["dtype"] not in _DTYPES:
+        raise ExportValidationError(folder, [f"{MANIFEST_NAME}.dtype: {manifest['dtype']!r} is not one of "
+                                             f"{sorted(_DTYPES)}"])
+    return manifest
+
+
+def _layout_and_config(folder, manifest: dict) -> tuple[Format, object]:
+    try:
+        layout = get_format(manifest["format"])
+        config = config_from_dict(manifest["head_type"], manifest["head_config"])
+    except (ExportError, ValueError, TypeError) as error:
+        raise ExportValidationError(folder, [f"{MANIFEST_NAME}.format/head_type/head_config: {error}"]) from None
+    if layout.head_type not in ("any", manifest["head_type"]):
+        raise ExportValidationError(folder, [f"{MANIFEST_NAME}.head_type: {manifest['head_type']!r}, but format "
+                                             f"{layout.name!r} holds {layout.head_type} heads"])
+    return layout, config
+
+
+def _file_problems(folder: Path, layout: Format, manifest: dict) -> list[str]:
+    problems = []
+    for name in (layout.weights_file, layout.config_file):
+        info = manifest["files"].get(name)
+        if not (folder / name).is_file():
+            problems.append(f"{name}: missing")
+        elif not isinstance(info, dict) or "sha256" not in info:
+            problems.append(f"{MANIFEST_NAME}.files.{name}.sha256: missing")
+        elif sha256_file(folder / name) != info["sha256"]:
+            problems.append(f"{name}: sha256 differs from {MANIFEST_NAME}.files.{name}.sha256 "
+                            "(the file changed after export)")
+    return problems
+
+
+def _base_problems(manifest: dict, layout: Format, config, tensors: dict, target) -> list[str]:
+    ours, theirs = manifest["base_model"].get("fingerprint") or {}, target.fingerprint()
+    problems = [f"base_model.fingerprint.{key}: export {ours.get(key)!r} vs base {theirs.get(key)!r}"
+                for key in sorted(set(ours) | set(theirs)) if key != "id" and ours.get(key) != theirs.get(key)]
+    if not problems and ours.get("id") != theirs.get("id"):
+        problems.append(f"base_model.fingerprint.id: export {ours.get('id')!r} vs base {theirs.get('id')!r}")
+    tokenizer_hash = manifest["base_model"].get("tokenizer_hash")
+    if tokenizer_hash and getattr(target, "tokenizer", None) is not None and target.tokenizer_hash() != tokenizer_hash:
+        problems.append(f"base_model.tokenizer_hash: export {tokenizer_hash!r} vs base {target.tokenizer_hash()!r}")
+    dtype = _DTYPES[manifest["dtype"]]
+    copies = {}
+    if layout.name in ("eagle", "eagle_vllm"):
+        copies["embed_tokens.weight"] = ("embedding", target.embed_tokens.weight)
+    if layout.name == "medusa" and config.share_lm_head:
+        for h in range(config.num_heads):
+            copies[f"{h}.{config.num_layers}.weight"] = ("lm_head", target.lm_head.weight)
+    for key, (what, weight) in copies.items():
+        if key in tensors and tensors[key].shape == weight.shape:
+            if not torch.equal(tensors[key], weight.detach().to("cpu", dtype)):
+                problems.append(f"{layout.weights_file}: {key!r} differs from the base model's {what}")
+    return problems
+
+
+def validate_export(folder: str | os.PathLike, target=None) -> dict:
+    """Check every key, shape, dtype and config field of an export folder against its format (and,
+    with `target`, against that base model's fingerprint and tensors). Raises
+    ExportValidationError naming each bad field; returns a summary dict."""
+    folder = Path(folder)
+    manifest = read_manifest(folder)
+    layout, config = _layout_and_config(folder, manifest)
+    problems = _file_problems(folder, layout, manifest)
+    if problems:
+        raise ExportValidationError(folder, problems)
+    try:
+        config_json = json.loads((folder / layout.config_file).read_text())
+    except json.JSONDecodeError as error:
+        raise ExportValidationError(folder, [f"{layout.config_file}: not valid JSON ({error})"]) from None
+    problems += layout.check_config(config_json, config, manifest["dtype"])
+    tensors = load_file(str(folder / layout.weights_file))
+    problems += shape_problems(tensors, layout.expected_shapes(config), layout.weights_file)
+    dtype = _DTYPES[manifest["dtype"]]
+    problems += [f"{layout.weights_file}: {key!r} has dtype {str(value.dtype).removeprefix('torch.')}, "
+                 f"expected {manifest['dtype']}"
+                 for key, value in tensors.items() if value.is_floating_point() and value.dtype != dtype]
+    if not problems:
+        try:
+            layout.to_state(tensors, config)
+        except ExportError as error:
+            problems.append(f"{layout.weights_file}: {error}")
+    if target is not None:
+        problems += _base_problems(manifest, layout, config, tensors, target)
+    if problems:
+        raise ExportValidationError(folder, problems)
+    return {"folder": str(folder), "format": layout.name, "head_type": manifest["head_type"],
+            "dtype": manifest["dtype"], "keys": len(tensors),
+            "parameters": sum(value.numel() for value in tensors.values()), "base_checked": target is not None,
+            "base_fingerprint_id": manifest["base_model"]["fingerprint"].get("id")}
+
+
+def load_export(folder: str | os.PathLike, target=None, strict_fingerprint: bool = True,
+                dtype: str | None = "float32"):
+    """Load any export (native, eagle, eagle_vllm, medusa) or a plain head checkpoint back into
+    a head -> (head, config, manifest). With `target`, refuse a head that does not belong to it.
+    `dtype`: cast the head's weights (None keeps the file's dtype)."""
+    folder = Path(folder)
+    if not (folder / MANIFEST_NAME).is_file() and (folder / NATIVE_CONFIG_NAME).is_file():
+        head, config, meta = load_head(folder, target, strict_fingerprint)
+        manifest = {"format": "checkpoint", **meta}
+    else:
+        validate_export(folder, None)
+        manifest = read_manifest(folder)
+        layout, config = _layout_and_config(folder, manifest)
+        if target is not None:
+            check_against_target(config, target, strict_fingerprint)
+        state = layout.to_state(load_file(str(folder / layout.weights_file)), config)
+        with torch.device("meta"):
+            head = build_head(config)
+        head.load_state_dict(state, strict=True, assign=True)
+        for name, fresh in build_buffers(config).items():  # non-persistent buffers (RoPE) on the CPU
+            module_name, _, leaf = name.rpartition(".")
+            module = head.get_submodule(module_name) if module_name else head
+            module.register_buffer(leaf, fresh, persistent=False)
+    if dtype is not None:
+        head = head.to(_DTYPES[dtype])
+    return head, config, manifest

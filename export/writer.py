@@ -1,0 +1,158 @@
+"""Write an export folder atomically: everything goes into a temp folder beside the destination,
+`specheads.json` last, and the folder is renamed into place only when complete and valid."""
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+from torch import nn
+
+from export.formats import get_format, resolve_formats, torch_dtype
+from export.manifest import (MANIFEST_NAME, README_NAME, base_model_from_target, build_manifest, model_card,
+                             recommended_runtime, sha256_file)
+from export.validate import validate_export
+from heads.io import check_against_target, head_type
+
+log = logging.getLogger(__name__)
+
+def prepare_tensors(tensors: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Cast floating tensors to `dtype` on the CPU, each into its own storage: safetensors refuses
+    tensors that share memory (tied embeddings, one lm_head copied into K Medusa heads)."""
+    out = {}
+    for key, value in tensors.items():
+        value = value.detach()
+        cast = dtype if value.is_floating_point() else value.dtype
+        out[key] = value.to(device="cpu", dtype=cast, copy=True).contiguous()
+    return out
+
+
+def _fsync_dir(path: Path) -> None:
+    with contextlib.suppress(OSError):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def _write_json(path: Path, values: dict) -> None:
+    with open(path, "w") as handle:
+        json.dump(values, handle, indent=2)
+        handle.write("\n")
+        handle.flush()
+        os.fsync(handle.fileno())
+
+
+def _write_weights(path: Path, tensors: dict[str, torch.Tensor]) -> None:
+    save_file(tensors, str(path), metadata={"format": "pt"})
+    os.chmod(path, 0o644)  # readable by the serving user, like the JSON files
+    with open(path, "rb+") as handle:
+        os.fsync(handle.fileno())
+
+
+def _auto_notes(fmt_name: str, config, base) -> list[str]:
+    notes = []
+    if fmt_name == "eagle" and not config.fc_bias:
+        notes.append("fc.bias is all zeros: the head has no fc bias, and SGLang would leave a missing fc.bias "
+                     "at its random initial value; config.json has no `bias` key because SGLang reads it as "
+                     "attention bias (the EAGLE loader reads a missing `bias` as true, matching fc.bias).")
+    if fmt_name == "medusa" and config.share_lm_head:
+        notes.append("trained with the target's frozen lm_head (share_lm_head): each `{h}.{L}.weight` is a copy "
+                     "of the base model's lm_head, because TensorRT-LLM loads one lm_head per Medusa head.")
+    if base.name.startswith("embedded:"):
+        notes.append(f"trained on {base.name}, a dequantized Q4_1 GGUF of {base.hub_id}: features of the "
+                     "full-precision hub weights differ slightly, so acceptance may differ a little.")
+    return notes
+
+
+def _place(tmp: Path, out: Path) -> None:
+    """Rename the finished temp folder to `out`, replacing an older export there."""
+    if out.exists():
+        old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
+        os.replace(out, old / out.name)
+        os.replace(tmp, out)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(tmp, out)
+    _fsync_dir(out.parent)
+
+
+def export_head(head: nn.Module, config, fmt: str, out_dir: str | os.PathLike, target, dtype: str = "bfloat16",
+                manifest_extra: dict | None = None, strict_fingerprint: bool = True) -> Path:
+    """Export a trained head in format `fmt` (native | eagle | eagle_vllm | medusa) to `out_dir`.
+
+    target: the FrozenTarget the head was trained on (its embedding / lm_head go into the engine
+    files; its fingerprint into the manifest). manifest_extra: optional dicts `runtime` (eagle:
+    top_k, depth, total_tokens, chain_depth; medusa: medusa_choices — what eval used), `training`
+    (steps, tokens, held-out accuracies, ...), `eval` (tau, speedup, hardware, ...), `notes` (list
+    of str), `base_model_id` (hub id engines load the base by). Returns the folder; it is
+    validated before it is renamed into place, and logged as a W&B artifact when a run is active.
+    """
+    layout = get_format(fmt)
+    kind = head_type(config)
+    resolve_formats([fmt], kind)
+    check_against_target(config, target, strict_fingerprint)
+    extra = dict(manifest_extra or {})
+    base = base_model_from_target(target, extra.get("base_model_id"))
+    cast = torch_dtype(dtype)
+    tensors, config_json = layout.to_files(head.state_dict(), config, base, dtype)
+    tensors = prepare_tensors(tensors, cast)
+    out = Path(out_dir).resolve()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        os.chmod(tmp, 0o755)
+        extra["notes"] = [*_auto_notes(fmt, config, base), *(extra.get("notes") or [])]
+        if layout.name == "medusa":  # the tree the head was evaluated with travels in config.json too
+            config_json["medusa_choices"] = recommended_runtime(config, extra.get("runtime"))["medusa_choices"]
+        _write_weights(tmp / layout.weights_file, tensors)
+        _write_json(tmp / layout.config_file, config_json)
+        files = {name: {"sha256": sha256_file(tmp / name), "bytes": (tmp / name).stat().st_size}
+                 for name in (layout.weights_file, layout.config_file)}
+        manifest = build_manifest(layout, config, base, target, dtype, files, extra)
+        (tmp / README_NAME).write_text(model_card(manifest))
+        _write_json(tmp / MANIFEST_NAME, manifest)  # last: a folder without it is not an export
+        validate_export(tmp, None)
+        _fsync_dir(tmp)
+        _place(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    log.info("exported %s head as %s (%s) to %s", kind, fmt, dtype, out)
+    log_artifact(out, manifest)
+    return out
+
+
+def export_all(head: nn.Module, config, formats: list[str], out_root: str | os.PathLike, target,
+               dtype: str = "bfloat16", native_dtype: str | None = "float32",
+               manifest_extra: dict | None = None) -> dict[str, Path]:
+    """Export every format in `formats` (`engine` = every engine layout of the head type) to
+    `out_root/<format>`; native uses `native_dtype` (None: `dtype`) so training can resume from it."""
+    paths = {}
+    for fmt in resolve_formats(formats, head_type(config)):
+        fmt_dtype = (native_dtype or dtype) if fmt == "native" else dtype
+        paths[fmt] = export_head(head, config, fmt, Path(out_root) / fmt, target, fmt_dtype, manifest_extra)
+    return paths
+
+
+def log_artifact(folder: Path, manifest: dict) -> bool:
+    """Log the folder as a W&B artifact (manifest as metadata) when a W&B run is active. W&B is not
+    imported here: a process with an active run has imported it already."""
+    wandb = sys.modules.get("wandb")
+    if wandb is None or getattr(wandb, "run", None) is None:
+        return False
+    fingerprint = manifest["base_model"]["fingerprint"].get("id", "")
+    name = f"{manifest['head_type']}-{manifest['format']}-{fingerprint}".replace("_", "-")
+    artifact = wandb.Artifact(name=name, type="speculative-head", metadata=manifest,
+                              description=f"{manifest['head_type']} head, {manifest['format']} layout")
+    artifact.add_dir(str(folder))
+    wandb.run.log_artifact(artifact)
+    return True
