@@ -75,9 +75,24 @@ def _tokenize_batch(batch, tokenizer, max_length: int, overflow: str, strict: bo
     return out
 
 
+def _row_features():
+    import datasets
+
+    return datasets.Features({
+        "id": datasets.Value("string"), "input_ids": datasets.List(datasets.Value("int32")),
+        "loss_mask": datasets.List(datasets.Value("int8")), "length": datasets.Value("int32"),
+        "assistant_tokens": datasets.Value("int32"), "truncated": datasets.Value("bool"),
+        "status": datasets.Value("string")})
+
+
 def tokenize_conversations(conversations, tokenizer, config: DataConfig, fingerprint: str):
     """datasets.map over conversations (cached by `fingerprint`, `config.num_proc` processes).
     Returns (kept rows, skip counts per reason)."""
+    import datasets
+
+    if len(conversations) == 0:
+        return datasets.Dataset.from_dict({k: [] for k in _row_features()}, _row_features()).remove_columns(
+            "status"), {}
     key = hashlib.sha256("|".join([_TOKENIZE_VERSION, fingerprint, tokenizer_signature(tokenizer),
                                    str(config.max_length), config.overflow,
                                    str(config.skip_bad_records)]).encode()).hexdigest()[:16]
@@ -86,7 +101,7 @@ def tokenize_conversations(conversations, tokenizer, config: DataConfig, fingerp
         fn_kwargs=dict(tokenizer=tokenizer, max_length=config.max_length, overflow=config.overflow,
                        strict=not config.skip_bad_records),
         num_proc=config.num_proc if config.num_proc > 1 and len(conversations) > 1 else None,
-        new_fingerprint=key, desc="chat template + loss mask")
+        features=_row_features(), new_fingerprint=key, desc="chat template + loss mask")
     skipped = Counter(s for s in tokenized["status"] if s != "ok")
     if skipped:
         tokenized = tokenized.filter(lambda status: status == "ok", input_columns="status",

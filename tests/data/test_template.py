@@ -1,0 +1,68 @@
+import pytest
+
+from data.template import TemplateMismatch, prompt_ids, render, tokenize_with_mask
+from tests.data.conftest import FAMILIES
+
+CONVERSATION = [
+    {"role": "system", "content": "You answer in one line."},
+    {"role": "user", "content": "What is 2+2?"},
+    {"role": "assistant", "content": "It is 4."},
+    {"role": "user", "content": "And  3+3 ?\n"},
+    {"role": "assistant", "content": " Six, i.e. 6.\n\n"},
+    {"role": "user", "content": "Thanks"},
+    {"role": "assistant", "content": "You're welcome!"},
+]
+
+
+def _runs(mask):
+    runs, start = [], None
+    for t, value in enumerate(mask + [0]):
+        if value and start is None:
+            start = t
+        elif not value and start is not None:
+            runs.append((start, t))
+            start = None
+    return runs
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_mask_is_exactly_the_replies_and_end_of_turn(family_tokenizers, family):
+    tokenizer = family_tokenizers[family]
+    lead, end_of_turn = FAMILIES[family]
+    ids, mask = tokenize_with_mask(tokenizer, CONVERSATION)
+    assert len(ids) == len(mask)
+    # the ids are what the model sees at inference
+    assert ids == list(tokenizer.apply_chat_template(CONVERSATION, tokenize=True, return_dict=True)["input_ids"])
+    replies = [m["content"] for m in CONVERSATION if m["role"] == "assistant"]
+    if family == "llama3":  # its template trims message content
+        replies = [r.strip() for r in replies]
+    runs = _runs(mask)
+    # A reply's first token may carry template text merged into it (Vicuna's space after
+    # "ASSISTANT:" joins a reply that starts with a letter); it is still the token to predict.
+    expected = [("" if r[:1].isspace() else lead) + r + end_of_turn for r in replies]
+    assert [tokenizer.decode(ids[a:b]) for a, b in runs] == expected
+    unmasked = tokenizer.decode([i for i, m in zip(ids, mask) if not m])
+    for message in CONVERSATION:
+        if message["role"] != "assistant":
+            assert message["content"].strip() in unmasked
+    assert "assistant" not in tokenizer.decode([i for i, m in zip(ids, mask) if m]).lower()
+
+
+@pytest.mark.integration
+def test_prompt_ids_end_with_the_generation_prompt(family_tokenizers):
+    tokenizer = family_tokenizers["chatml"]
+    ids = prompt_ids(tokenizer, CONVERSATION[:2])
+    assert tokenizer.decode(ids).endswith("What is 2+2?<|im_end|>\n<|im_start|>assistant\n")
+
+
+@pytest.mark.integration
+def test_template_that_is_not_incremental_is_refused(smollm2_tokenizer):
+    import copy
+
+    tokenizer = copy.deepcopy(smollm2_tokenizer)
+    tokenizer.chat_template = ("{% for m in messages %}{{ m['role'] + ': ' + m['content'] }}"
+                               "{% if loop.last %}{{ ' [END]' }}{% endif %}{{ '\n' }}{% endfor %}")
+    assert render(tokenizer, CONVERSATION[1:3]).endswith("It is 4. [END]\n")
+    with pytest.raises(TemplateMismatch, match="turn 2"):
+        tokenize_with_mask(tokenizer, CONVERSATION)
