@@ -2,6 +2,7 @@
 with any `Drafter`. Batch size 1."""
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass, field
 from typing import Sequence
@@ -53,6 +54,13 @@ def _finish(tokens: list[int], max_new_tokens: int, eos: set[int]) -> list[int]:
         if token in eos:
             return tokens[: i + 1]
     return tokens
+
+
+@functools.lru_cache(maxsize=256)
+def _tree(parents: tuple[int, ...]) -> tuple[TreeLayout, bool]:
+    """Layout of a candidate tree (static trees repeat) and whether it is a plain chain."""
+    tree = build_tree(candidate_parents_to_tree(parents))
+    return tree, all(p == i - 1 for i, p in enumerate(tree.parents.tolist()))
 
 
 def _prefill(model: LeanLlama, prompt: torch.Tensor, cache, hidden_layers=()):
@@ -142,8 +150,7 @@ def speculative_generate(
         t1 = time.perf_counter()
         root = int(buffer[length - 1])
         tokens = [root] + candidates.tokens.tolist()
-        tree = build_tree(candidate_parents_to_tree(candidates.parents.tolist()))
-        is_chain = all(p == i - 1 for i, p in enumerate(tree.parents.tolist()))
+        tree, is_chain = _tree(tuple(candidates.parents.tolist()))
         out = model(
             torch.tensor(tokens), cache, positions=cache.length + tree.depths,
             tree_mask=None if is_chain else tree.mask, tree_bits=None if is_chain else tree.bits,

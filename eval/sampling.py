@@ -44,8 +44,10 @@ def probabilities(logits: torch.Tensor, sampling: SamplingConfig) -> torch.Tenso
 
 
 def sample(probs: torch.Tensor, generator: torch.Generator | None = None) -> int:
-    """One token id from a (V,) distribution."""
-    return int(torch.multinomial(probs, 1, generator=generator))
+    """One token id from a (V,) distribution (inverse CDF; faster than multinomial for one draw)."""
+    cdf = probs.cumsum(0)
+    u = torch.rand((), generator=generator, device=probs.device, dtype=cdf.dtype) * cdf[-1]
+    return min(int(torch.searchsorted(cdf, u, right=True)), probs.shape[0] - 1)
 
 
 def pick(logits: torch.Tensor, sampling: SamplingConfig, generator: torch.Generator | None = None) -> int:

@@ -12,8 +12,6 @@ from typing import Sequence
 
 import torch
 
-from eval.attention import mask_to_bits
-
 MAX_BITMASK_NODES = 64  # one int64 ancestor bitmask per node
 
 
@@ -46,17 +44,18 @@ def build_tree(parents: Sequence[int] | torch.Tensor) -> TreeLayout:
     n = len(parent_list)
     if n == 0 or parent_list[0] != -1:
         raise ValueError("tree: node 0 must be the root with parent -1")
-    mask = torch.zeros(n, n, dtype=torch.bool)
+    ancestors = [0] * n  # Python-int bitmask of node i and its ancestors
     depths = [0] * n
     has_child = [False] * n
     for i, p in enumerate(parent_list):
         if i > 0:
             if not 0 <= p < i:
                 raise ValueError(f"tree: node {i} has parent {p}; parents must precede children")
-            mask[i] = mask[p]
+            ancestors[i] = ancestors[p]
             depths[i] = depths[p] + 1
             has_child[p] = True
-        mask[i, i] = True
+        ancestors[i] |= 1 << i
+    mask = _bits_to_mask(ancestors, n)
     leaves = [i for i in range(n) if not has_child[i]]
     max_depth = max(depths)
     paths = torch.full((len(leaves), max_depth + 1), -1, dtype=torch.long)
@@ -68,8 +67,17 @@ def build_tree(parents: Sequence[int] | torch.Tensor) -> TreeLayout:
         paths[row, : len(chain)] = torch.tensor(chain[::-1])
     bits = None
     if n <= MAX_BITMASK_NODES:
-        bits = mask_to_bits(mask, n, mask.device)
+        bits = torch.tensor([a - (1 << 64) if a >= 1 << 63 else a for a in ancestors], dtype=torch.long)
     return TreeLayout(torch.tensor(parent_list, dtype=torch.long), mask, torch.tensor(depths), paths, bits)
+
+
+def _bits_to_mask(ancestors: list[int], n: int) -> torch.Tensor:
+    mask = torch.zeros(n, n, dtype=torch.bool)
+    for start in range(0, n, 62):  # 62-bit chunks stay positive in int64
+        width = min(62, n - start)
+        chunk = torch.tensor([(a >> start) & ((1 << width) - 1) for a in ancestors], dtype=torch.long)
+        mask[:, start:start + width] = (chunk[:, None] >> torch.arange(width)) & 1 == 1
+    return mask
 
 
 def chain_parents(num_drafted: int) -> list[int]:

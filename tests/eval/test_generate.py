@@ -1,0 +1,138 @@
+"""Generation invariants on a tiny model: greedy speculative output equals plain greedy output
+token for token, whatever the drafter proposes (never / always / partly right, chain or tree)."""
+import pytest
+import torch
+
+from eval.drafters import Candidates, Drafter
+from eval.drafters.draft_model import DraftModelDrafter, DynamicGamma, self_speculation_drafter
+from eval.drafters.prompt_lookup import PromptLookupDrafter, lookup
+from eval.generate import plain_generate, speculative_generate
+from eval.model import LeanLlama
+from eval.sampling import SamplingConfig
+from tests.tiny import tiny_model
+
+VOCAB, NEW_TOKENS = 128, 24
+
+
+@pytest.fixture(scope="module")
+def lean():
+    torch.manual_seed(0)
+    return LeanLlama.from_hf(tiny_model(num_hidden_layers=3), max_seq_len=256)
+
+
+def prompts(count: int, length: int = 6):
+    generator = torch.Generator().manual_seed(1)
+    return [torch.randint(3, VOCAB, (length,), generator=generator) for _ in range(count)]
+
+
+class OracleDrafter:
+    """Knows the plain greedy continuation; `right` drafts are correct, then `wrong` wrong ones,
+    optionally with a decoy sibling before every correct node (a tree)."""
+
+    feature_layers = ()
+
+    def __init__(self, reference: list[int], prompt_length: int, right: int, wrong: int, decoys: bool = False):
+        self.reference, self.prompt_length = reference, prompt_length
+        self.right, self.wrong, self.decoys = right, wrong, decoys
+        self.accepted_log = []
+
+    def reset(self, prompt):
+        pass
+
+    def propose(self, state):
+        done = state.tokens.shape[0] - self.prompt_length  # tokens generated so far
+        truth = self.reference[done: done + self.right + self.wrong]
+        tokens, parents, previous = [], [], -1
+        for i, token in enumerate(truth):
+            if i >= self.right:
+                token = (token + 1) % VOCAB
+            if self.decoys:
+                tokens.append((token + 7) % VOCAB)
+                parents.append(previous)
+            tokens.append(token)
+            parents.append(previous)
+            previous = len(tokens) - 1
+        return Candidates(torch.tensor(tokens, dtype=torch.long), torch.tensor(parents, dtype=torch.long))
+
+    def accept(self, state, accepted):
+        self.accepted_log.append(len(accepted))
+
+
+@pytest.mark.parametrize("right,wrong,decoys", [(0, 3, False), (4, 0, False), (2, 2, False), (3, 1, True), (0, 0, False)])
+def test_greedy_speculative_equals_plain_for_stub_drafters(lean, right, wrong, decoys):
+    for prompt in prompts(4):
+        plain = plain_generate(lean, prompt, NEW_TOKENS).tokens
+        drafter = OracleDrafter(plain + [0] * 8, prompt.shape[0], right, wrong, decoys)
+        assert isinstance(drafter, Drafter)
+        result = speculative_generate(lean, drafter, prompt, NEW_TOKENS)
+        assert result.tokens == plain
+        expected_accept = right if right + wrong else 0
+        assert all(a == expected_accept for a in result.accepted[:-2])
+        assert sum(a + 1 for a in result.accepted) >= len(plain) - 1
+
+
+def test_always_accept_needs_fewer_target_steps(lean):
+    prompt = prompts(1)[0]
+    plain = plain_generate(lean, prompt, NEW_TOKENS).tokens
+    result = speculative_generate(lean, OracleDrafter(plain + [0] * 8, prompt.shape[0], 4, 0), prompt, NEW_TOKENS)
+    assert len(result.accepted) <= (NEW_TOKENS - 1 + 4) // 5
+    assert result.acceptance_length > 4.0
+
+
+def test_greedy_prompt_lookup_and_self_speculation_equal_plain(lean):
+    repetitive = torch.tensor([5, 6, 7, 8, 5, 6, 7, 8, 5, 6])
+    for prompt in prompts(3) + [repetitive]:
+        plain = plain_generate(lean, prompt, NEW_TOKENS).tokens
+        assert speculative_generate(lean, PromptLookupDrafter(num_draft=4), prompt, NEW_TOKENS).tokens == plain
+        for adaptive in (True, False):
+            drafter = self_speculation_drafter(lean, 2, DynamicGamma(max_gamma=3, adaptive=adaptive))
+            result = speculative_generate(lean, drafter, prompt, NEW_TOKENS)
+            assert result.tokens == plain
+    full_depth = self_speculation_drafter(lean, 3, DynamicGamma(max_gamma=3, adaptive=False))
+    result = speculative_generate(lean, full_depth, prompts(1)[0], NEW_TOKENS)
+    assert all(a == 3 for a in result.accepted[:-1])  # a draft identical to the target is always right
+
+
+def test_eos_and_max_new_tokens(lean):
+    prompt = prompts(1)[0]
+    plain = plain_generate(lean, prompt, NEW_TOKENS).tokens
+    eos = plain[5]
+    cut = plain[: plain.index(eos) + 1]
+    assert plain_generate(lean, prompt, NEW_TOKENS, eos_token_ids=[eos]).tokens == cut
+    drafter = OracleDrafter(plain + [0] * 8, prompt.shape[0], 4, 0)
+    assert speculative_generate(lean, drafter, prompt, NEW_TOKENS, eos_token_ids=[eos]).tokens == cut
+    assert len(speculative_generate(lean, drafter, prompt, 3).tokens) == 3
+
+
+def test_sampled_generation_runs_with_sampled_and_deterministic_drafts(lean):
+    sampling = SamplingConfig(temperature=0.8, top_k=20, top_p=0.9)
+    prompt = prompts(1)[0]
+    for drafter in (self_speculation_drafter(lean, 2, DynamicGamma(max_gamma=3, adaptive=False)),
+                    PromptLookupDrafter()):
+        generator = torch.Generator().manual_seed(0)
+        result = speculative_generate(lean, drafter, prompt, NEW_TOKENS, sampling, generator=generator)
+        assert len(result.tokens) == NEW_TOKENS and all(0 <= t < VOCAB for t in result.tokens)
+    typical = speculative_generate(lean, PromptLookupDrafter(), prompt, NEW_TOKENS, sampling, verification="typical")
+    assert len(typical.tokens) == NEW_TOKENS
+    a = plain_generate(lean, prompt, NEW_TOKENS, sampling, generator=torch.Generator().manual_seed(3)).tokens
+    b = plain_generate(lean, prompt, NEW_TOKENS, sampling, generator=torch.Generator().manual_seed(3)).tokens
+    assert a == b
+
+
+def test_dynamic_gamma_switches_off_when_drafts_fail_and_probes():
+    controller = DynamicGamma(max_gamma=6, draft_cost=0.05, probe_every=4, initial_alpha=0.8)
+    assert controller.gamma() > 0
+    for _ in range(30):
+        controller.update(0, 3)
+    gammas = [controller.gamma() for _ in range(8)]
+    assert gammas.count(0) == 6 and gammas.count(1) == 2  # off, probing every 4th step
+    for _ in range(30):
+        controller.update(6, 6)
+    assert controller.gamma() == 6
+
+
+def test_prompt_lookup_finds_most_recent_longest_match():
+    tokens = torch.tensor([1, 2, 3, 9, 1, 2, 3, 4, 5, 1, 2, 3])
+    assert lookup(tokens, 3, 3, 1).tolist() == [4, 5, 1]
+    assert lookup(torch.tensor([1, 2, 3]), 3, 3, 1).tolist() == []
+    assert lookup(torch.tensor([7, 8, 9, 7]), 2, 3, 1).tolist() == [8, 9]

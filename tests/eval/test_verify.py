@@ -1,0 +1,182 @@
+"""Verification rules: greedy path selection, and a statistical proof that rejection sampling is
+lossless (plus that the same test catches a broken sampler).
+
+The statistical test uses a tiny "model" given by a table: p(x | prefix) over a 3-token vocabulary,
+so the exact distribution of the first 3 generated tokens (27 outcomes) can be enumerated.
+Speculative steps (chains and trees, sampled and deterministic drafts from a different table q)
+are run until 3 tokens exist; the empirical counts are compared to the exact distribution with a
+chi-square test at significance 0.001 (seeds fixed, so the outcome is reproducible).
+"""
+import functools
+import itertools
+
+import pytest
+import torch
+
+from eval.sampling import SamplingConfig, probabilities, sample
+from eval.tree import build_tree
+from eval.verify import children_lists, verify_greedy, verify_sampled, verify_typical, Verdict
+
+VOCAB, LENGTH, SAMPLES, SIGNIFICANCE = 3, 3, 3000, 1e-3
+
+
+class TableModel:
+    """p(. | prefix) drawn once per prefix from a Dirichlet, reproducibly from a seed."""
+
+    def __init__(self, seed: int, concentration: float = 1.5):
+        self.seed, self.concentration, self.table = seed, concentration, {}
+
+    def __call__(self, prefix: tuple) -> torch.Tensor:
+        if prefix not in self.table:
+            generator = torch.Generator().manual_seed(hash((self.seed,) + prefix) % (2**31))
+            gamma = torch._standard_gamma(torch.full((VOCAB,), self.concentration), generator=generator)
+            self.table[prefix] = gamma / gamma.sum()
+        return self.table[prefix]
+
+
+def exact_distribution(p: TableModel) -> dict:
+    out = {}
+    for seq in itertools.product(range(VOCAB), repeat=LENGTH):
+        prob = 1.0
+        for i in range(LENGTH):
+            prob *= float(p(seq[:i])[seq[i]])
+        out[seq] = prob
+    return out
+
+
+def draft_tree(q: TableModel, prefix: tuple, shape: list[int], sampled: bool, generator):
+    """Children per depth `shape` (e.g. [2, 1]): sampled drafts draw siblings i.i.d. from q;
+    deterministic drafts take q's top-k. Returns parents, tokens (root token -1), draft rows."""
+    parents, tokens, rows, paths = [-1], [-1], [], {0: prefix}
+    frontier = [0]
+    for width in shape:
+        next_frontier = []
+        for node in frontier:
+            dist = q(paths[node])
+            picks = ([sample(dist, generator) for _ in range(width)] if sampled
+                     else dist.topk(width).indices.tolist())
+            for token in picks:
+                parents.append(node)
+                tokens.append(token)
+                rows.append(dist)
+                paths[len(tokens) - 1] = paths[node] + (token,)
+                next_frontier.append(len(tokens) - 1)
+        frontier = next_frontier
+    return parents, tokens, torch.stack(rows), paths
+
+
+_tree = functools.lru_cache(maxsize=None)(build_tree)
+
+
+def speculative_sequence(p, q, shape, sampled, verify, generator) -> tuple:
+    seq = ()
+    while len(seq) < LENGTH:
+        parents, tokens, rows, paths = draft_tree(q, seq, shape, sampled, generator)
+        tree = _tree(tuple(parents))
+        target = torch.stack([p(paths[i]) for i in range(len(tokens))])
+        verdict = verify(tree, tokens, target, rows if sampled else None, generator)
+        seq = seq + tuple(tokens[i] for i in verdict.accepted) + (verdict.next_token,)
+    return seq[:LENGTH]
+
+
+def chi_square_p_value(counts: dict, exact: dict, samples: int) -> float:
+    statistic = sum((counts.get(k, 0) - samples * e) ** 2 / (samples * e) for k, e in exact.items())
+    dof = len(exact) - 1
+    return float(torch.special.gammaincc(torch.tensor(dof / 2.0, dtype=torch.float64),
+                                         torch.tensor(statistic / 2.0, dtype=torch.float64)))
+
+
+def run_sampler(verify, shape, sampled, seed=0) -> float:
+    p, q = TableModel(seed=1), TableModel(seed=2, concentration=0.7)
+    generator = torch.Generator().manual_seed(seed)
+    counts: dict = {}
+    for _ in range(SAMPLES):
+        seq = speculative_sequence(p, q, shape, sampled, verify, generator)
+        counts[seq] = counts.get(seq, 0) + 1
+    return chi_square_p_value(counts, exact_distribution(p), SAMPLES)
+
+
+def broken_verify(tree, tokens, target_probs, draft_probs, generator=None) -> Verdict:
+    """Accepts with min(1, p/q) like the real rule, but on rejection keeps sampling from p
+    instead of the residual max(0, p - q) (or p with the rejected token zeroed)."""
+    children = children_lists(tree.parents.tolist())
+    node, accepted = 0, []
+    while True:
+        p = target_probs[node]
+        for child in children[node]:
+            x = tokens[child]
+            q_x = 1.0 if draft_probs is None else float(draft_probs[child - 1][x])
+            if float(torch.rand((), generator=generator)) * q_x < float(p[x]):
+                accepted.append(child)
+                node = child
+                break
+        else:
+            return Verdict(accepted, sample(p, generator))
+
+
+CASES = {
+    "chain_sampled": ([1, 1], True),
+    "chain_deterministic": ([1, 1], False),
+    "tree_sampled": ([2, 2], True),
+    "tree_deterministic_topk": ([2, 2], False),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_rejection_sampling_is_lossless(case):
+    shape, sampled = CASES[case]
+    assert run_sampler(verify_sampled, shape, sampled) > SIGNIFICANCE
+
+
+@pytest.mark.parametrize("case", ["chain_sampled", "tree_deterministic_topk"])
+def test_broken_sampler_fails_the_same_test(case):
+    shape, sampled = CASES[case]
+    assert run_sampler(broken_verify, shape, sampled) < SIGNIFICANCE
+
+
+def test_greedy_takes_longest_matching_path_and_bonus():
+    #        0
+    #      /   \
+    #     1(5)  2(7)
+    #     |     |  \
+    #     3(9)  4(1) 5(3)
+    tree = build_tree([-1, 0, 0, 1, 2, 2])
+    tokens = [0, 5, 7, 9, 1, 3]
+    logits = torch.zeros(6, 16)
+    for node, best in {0: 7, 1: 9, 2: 3, 3: 0, 4: 0, 5: 11}.items():
+        logits[node, best] = 1.0
+    verdict = verify_greedy(tree, tokens, logits)
+    assert verdict.accepted == [2, 5] and verdict.next_token == 11
+    logits[0] = 0.0
+    logits[0, 4] = 1.0  # no child matches: only the target's own token
+    assert verify_greedy(tree, tokens, logits) == Verdict([], 4)
+
+
+def test_deterministic_rule_accepts_with_target_probability():
+    tree = build_tree([-1, 0])
+    p = torch.tensor([[0.25, 0.75], [0.5, 0.5]])
+    generator = torch.Generator().manual_seed(0)
+    verdicts = [verify_sampled(tree, [0, 0], p, None, generator) for _ in range(4000)]
+    rate = sum(bool(v.accepted) for v in verdicts) / len(verdicts)
+    assert abs(rate - 0.25) < 0.03
+    assert all(v.next_token == 1 for v in verdicts if not v.accepted)  # rejected token zeroed
+
+
+def test_typical_acceptance_is_lossy_but_accepts_likely_tokens():
+    tree = build_tree([-1, 0, 1])
+    target = torch.tensor([[0.95, 0.05], [0.02, 0.98], [0.5, 0.5]])
+    assert verify_typical(tree, [0, 0, 1], target).accepted == [1, 2]
+    assert verify_typical(tree, [0, 1, 1], target).accepted == []
+
+
+def test_sampling_filters():
+    logits = torch.tensor([3.0, 2.0, 1.0, 0.0])
+    assert probabilities(logits, SamplingConfig()).tolist() == [1.0, 0.0, 0.0, 0.0]
+    top_k = probabilities(logits, SamplingConfig(temperature=1.0, top_k=2))
+    assert (top_k[2:] == 0).all() and abs(float(top_k.sum()) - 1) < 1e-6
+    top_p = probabilities(logits, SamplingConfig(temperature=1.0, top_p=0.7))  # 0.64 + 0.24 >= 0.7
+    assert (top_p[:2] > 0).all() and (top_p[2:] == 0).all()
+    hot = probabilities(logits, SamplingConfig(temperature=2.0))
+    torch.testing.assert_close(hot, torch.softmax(logits / 2, -1))
+    with pytest.raises(ValueError):
+        SamplingConfig(top_p=0.0)
