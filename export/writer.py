@@ -78,7 +78,12 @@ def _place(tmp: Path, out: Path) -> None:
     if out.exists():
         old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
         os.replace(out, old / out.name)
-        os.replace(tmp, out)
+        try:
+            os.replace(tmp, out)
+        except BaseException:
+            os.replace(old / out.name, out)  # put the previous export back
+            shutil.rmtree(old, ignore_errors=True)
+            raise
         shutil.rmtree(old, ignore_errors=True)
     else:
         os.replace(tmp, out)

@@ -1,0 +1,115 @@
+"""A crash while exporting leaves nothing that looks like a valid export; W&B gets the artifact."""
+from __future__ import annotations
+
+import sys
+import types
+
+import pytest
+
+import export.writer as writer
+from export import ExportValidationError, export_head, validate_export
+from tests.export.conftest import make_eagle
+
+
+class Crash(RuntimeError):
+    pass
+
+
+def _crash_on_manifest(monkeypatch):
+    real = writer._write_json
+
+    def write_json(path, values):
+        if path.name == "specheads.json":
+            raise Crash("killed while writing the manifest")
+        real(path, values)
+    monkeypatch.setattr(writer, "_write_json", write_json)
+
+
+def test_failed_export_leaves_no_folder(tmp_path, target, monkeypatch):
+    head, config = make_eagle(target)
+    _crash_on_manifest(monkeypatch)
+    with pytest.raises(Crash):
+        export_head(head, config, "eagle", tmp_path / "out", target)
+    assert list(tmp_path.iterdir()) == []  # no destination, no temp leftovers
+
+
+def test_hard_crash_leftover_is_hidden_and_invalid(tmp_path, target, monkeypatch):
+    """A kill gets no cleanup: simulate it by disabling cleanup. What is left is a hidden temp folder
+    with weights and config but no manifest, which validation refuses."""
+    head, config = make_eagle(target)
+    _crash_on_manifest(monkeypatch)
+    monkeypatch.setattr(writer.shutil, "rmtree", lambda *args, **kwargs: None)
+    with pytest.raises(Crash):
+        export_head(head, config, "eagle", tmp_path / "out", target)
+    assert not (tmp_path / "out").exists()
+    (leftover,) = tmp_path.iterdir()
+    assert leftover.name.startswith(".out.tmp-") and (leftover / "model.safetensors").is_file()
+    with pytest.raises(ExportValidationError, match="specheads.json: missing"):
+        validate_export(leftover)
+
+
+def test_failed_reexport_keeps_the_previous_export(tmp_path, target, monkeypatch):
+    head, config = make_eagle(target)
+    out = export_head(head, config, "eagle", tmp_path / "out", target)
+    before = (out / "specheads.json").read_text()
+    _crash_on_manifest(monkeypatch)
+    with pytest.raises(Crash):
+        export_head(head, config, "eagle", out, target, dtype="float32")
+    assert (out / "specheads.json").read_text() == before
+    validate_export(out, target)
+    assert [p.name for p in tmp_path.iterdir()] == ["out"]
+
+
+def test_failed_rename_restores_the_previous_export(tmp_path, target, monkeypatch):
+    head, config = make_eagle(target)
+    out = export_head(head, config, "eagle", tmp_path / "out", target)
+    real = writer.os.replace
+    calls = []
+
+    def replace(source, destination):
+        calls.append(source)
+        if len(calls) == 2:  # the move of the new folder into place
+            raise Crash("disk gone")
+        real(source, destination)
+    monkeypatch.setattr(writer.os, "replace", replace)
+    with pytest.raises(Crash):
+        export_head(head, config, "eagle", out, target, dtype="float32")
+    monkeypatch.setattr(writer.os, "replace", real)
+    assert validate_export(out, target)["dtype"] == "bfloat16"
+    assert [p.name for p in tmp_path.iterdir()] == ["out"]
+
+
+def test_reexport_replaces_the_folder(tmp_path, target):
+    head, config = make_eagle(target)
+    out = export_head(head, config, "eagle", tmp_path / "out", target)
+    (out / "stale.txt").write_text("from an older export")
+    export_head(head, config, "eagle", out, target, dtype="float16")
+    assert validate_export(out)["dtype"] == "float16" and not (out / "stale.txt").exists()
+
+
+class _FakeArtifact:
+    def __init__(self, name, type, metadata, description):
+        self.name, self.type, self.metadata, self.dirs = name, type, metadata, []
+
+    def add_dir(self, path):
+        self.dirs.append(path)
+
+
+def test_wandb_artifact_when_a_run_is_active(tmp_path, target, monkeypatch):
+    logged = []
+    run = types.SimpleNamespace(log_artifact=logged.append)
+    monkeypatch.setitem(sys.modules, "wandb", types.SimpleNamespace(run=run, Artifact=_FakeArtifact))
+    head, config = make_eagle(target)
+    out = export_head(head, config, "eagle_vllm", tmp_path / "out", target)
+    (artifact,) = logged
+    assert artifact.type == "speculative-head" and artifact.dirs == [str(out)]
+    assert artifact.metadata["format"] == "eagle_vllm"
+    assert artifact.metadata["base_model"]["fingerprint"] == target.fingerprint()
+    assert artifact.name == f"eagle-eagle-vllm-{target.fingerprint()['id']}"
+
+
+def test_no_wandb_artifact_without_a_run(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "wandb", types.SimpleNamespace(run=None, Artifact=_FakeArtifact))
+    assert writer.log_artifact(tmp_path, {}) is False
+    monkeypatch.delitem(sys.modules, "wandb")
+    assert writer.log_artifact(tmp_path, {}) is False
