@@ -1,0 +1,162 @@
+"""EAGLE drafting with a trained `heads.eagle.EagleHead` over the target's embedding and lm_head.
+
+Alignment (as in training): the head input at position t is (embed(x_{t+1}), f_t), f_t the target's
+final post-norm hidden state at t; its output f̂_{t+1} gives logits for x_{t+2} through the target's
+lm_head. With T committed tokens (root x_{T-1}), the first draft x_T comes from the head's output at
+position T-2, and a draft at tree depth d is fed at position T-2+d with its parent's f̂.
+
+The head keeps its own KV cache of committed positions 0..T-2, always computed from the target's
+true features: each `propose` first feeds the positions that entered the target's cache in the last
+verification (root + accepted path) with their target features, then drafts; draft entries never
+enter the committed cache, so after any number of steps it equals a fresh recompute.
+
+Modes: `chain` (depth tokens, argmax, or sampled with draft_probs when the target samples) and
+`tree` (EAGLE-2 dynamic tree: top_k, depth, total_tokens; deterministic top-k drafts, verified with
+the EAGLE-2 rule when sampling).
+"""
+from __future__ import annotations
+
+import torch
+
+from eval.drafters import Candidates, DraftState
+from eval.model import LeanLlama
+from eval.sampling import probabilities, sample
+from heads.eagle import EagleHead
+
+MODES = ("chain", "tree")
+
+
+class EagleDrafter:
+    feature_layers: tuple[int, ...] = (-1,)
+
+    def __init__(self, head: EagleHead, target: LeanLlama, mode: str = "tree", depth: int = 4,
+                 top_k: int = 4, total_tokens: int = 16):
+        if mode not in MODES:
+            raise ValueError(f"eagle drafter: mode must be one of {MODES}, got {mode!r}")
+        if depth < 1 or top_k < 1 or total_tokens < 2:
+            raise ValueError("eagle drafter: need depth >= 1, top_k >= 1, total_tokens >= 2")
+        if head.config.hidden_size != target.config.hidden_size or head.config.vocab_size != target.config.vocab_size:
+            raise ValueError("eagle drafter: head and target disagree on hidden_size or vocab_size")
+        self.head, self.target = head.eval(), target
+        self.mode, self.depth, self.top_k, self.total_tokens = mode, depth, top_k, total_tokens
+        self.dtype = next(head.parameters()).dtype
+        self.past: tuple[torch.Tensor, torch.Tensor] | None = None  # (k, v) each (1, nKV, C, hd)
+
+    @property
+    def cache_length(self) -> int:
+        return 0 if self.past is None else int(self.past[0].shape[2])
+
+    def reset(self, prompt: torch.Tensor) -> None:
+        self.past = None
+
+    def _embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.target.embedding[tokens].to(self.dtype)
+
+    def _logits(self, features: torch.Tensor) -> torch.Tensor:
+        """(n, D) predicted features -> (n, V) float logits through the target's lm_head."""
+        return self.target.lm_head(features.to(self.target.embedding.dtype)).float()
+
+    @torch.no_grad()
+    def catch_up(self, state: DraftState) -> torch.Tensor:
+        """Feed the newly committed positions with the target's features; returns f̂_{T-1} (D,)."""
+        features = state.new_features[state.num_layers]  # (A, D) for tokens[T-1-A : T-1]
+        count, length = features.shape[0], state.tokens.shape[0]
+        start = length - 1 - count
+        if start != self.cache_length:
+            raise RuntimeError(f"eagle drafter: head cache holds {self.cache_length} positions, expected {start}")
+        embeds = self._embed(state.tokens[start + 1: length])[None]  # (1, A, D)
+        positions = torch.arange(start, length - 1)[None]
+        out, self.past = self.head(embeds, features.to(self.dtype)[None], positions,
+                                   past_key_values=self.past, use_cache=True)
+        return out[0, -1]
+
+    @torch.no_grad()
+    def propose(self, state: DraftState) -> Candidates:
+        feature = self.catch_up(state)
+        if self.mode == "chain":
+            return self._chain(state, feature)
+        return self._tree(state, feature)
+
+    def accept(self, state: DraftState, accepted: list[int]) -> None:
+        """Nothing to undo: drafts never enter the committed head cache."""
+
+    def _chain(self, state: DraftState, feature: torch.Tensor) -> Candidates:
+        length = state.tokens.shape[0]
+        past, tokens, rows = self.past, [], []
+        for i in range(self.depth):
+            logits = self._logits(feature[None])[0]  # (V,)
+            if state.sampling.greedy:
+                token = int(logits.argmax())
+            else:
+                q = probabilities(logits, state.sampling)
+                token = sample(q, state.generator)
+                rows.append(q)
+            tokens.append(token)
+            if i + 1 < self.depth:
+                embed = self._embed(torch.tensor([[token]]))  # (1, 1, D)
+                out, past = self.head(embed, feature[None, None], torch.tensor([[length - 1 + i]]),
+                                      past_key_values=past, use_cache=True)
+                feature = out[0, -1]
+        greedy = state.sampling.greedy
+        return Candidates.chain(tokens, None if greedy else torch.stack(rows), deterministic=greedy)
+
+    def _tree(self, state: DraftState, feature: torch.Tensor) -> Candidates:
+        """EAGLE-2: expand the top_k best frontier nodes by their top_k children per depth (one
+        batched head forward per depth, tree mask over the drafted entries), score nodes by
+        cumulative draft log-probability, keep the best total_tokens - 1 nodes."""
+        top_k, length, committed = self.top_k, state.tokens.shape[0], self.cache_length
+        logp = torch.log_softmax(self._logits(feature[None]), dim=-1)[0]  # (V,)
+        scores, tokens = logp.topk(top_k)
+        node_tokens, node_scores = tokens.tolist(), scores.tolist()
+        node_parents, node_depths = [-1] * top_k, [1] * top_k
+        node_slot: dict[int, int] = {}  # node -> index of its entry among the drafted head K/V
+        frontier = list(range(top_k))
+        frontier_features = feature.expand(top_k, -1)  # (n, D): each frontier node's parent's f̂
+        past = self.past
+        for depth in range(2, self.depth + 1):
+            n, drafted = len(frontier), len(node_slot)
+            mask = torch.zeros(n, committed + drafted + n, dtype=torch.bool)
+            mask[:, :committed] = True
+            for row, node in enumerate(frontier):
+                parent = node_parents[node]
+                while parent >= 0:
+                    mask[row, committed + node_slot[parent]] = True
+                    parent = node_parents[parent]
+                mask[row, committed + drafted + row] = True
+                node_slot[node] = drafted + row
+            embeds = self._embed(torch.tensor([node_tokens[i] for i in frontier]))[None]  # (1, n, D)
+            positions = torch.full((1, n), length + depth - 3)
+            out, past = self.head(embeds, frontier_features[None], positions, attention_mask=mask[None, None],
+                                  past_key_values=past, use_cache=True)  # (1, n, D)
+            logp = torch.log_softmax(self._logits(out[0]), dim=-1)  # (n, V)
+            child_scores, child_tokens = logp.topk(top_k, dim=-1)  # (n, K)
+            cumulative = torch.tensor([node_scores[i] for i in frontier])[:, None] + child_scores  # (n, K)
+            first = len(node_tokens)
+            for row, parent in enumerate(frontier):
+                node_tokens.extend(child_tokens[row].tolist())
+                node_scores.extend(cumulative[row].tolist())
+                node_parents.extend([parent] * top_k)
+                node_depths.extend([depth] * top_k)
+            best = cumulative.flatten().topk(min(top_k, cumulative.numel())).indices  # (K,)
+            frontier = [first + int(i) for i in best]
+            frontier_features = out[0][best // top_k]
+        return select_tree(node_tokens, node_parents, node_scores, node_depths, self.total_tokens - 1)
+
+
+def select_tree(tokens: list[int], parents: list[int], scores: list[float], depths: list[int],
+                count: int) -> Candidates:
+    """The `count` best nodes by score (ties: shallower, earlier first; a child never outscores
+    its parent, so the selection is ancestor-closed), in topological order, as Candidates."""
+    order = sorted(range(len(tokens)), key=lambda i: (-scores[i], depths[i], i))[:count]
+    chosen = sorted(order, key=lambda i: (depths[i], i))
+    index = {node: i for i, node in enumerate(chosen)}
+    new_parents = []
+    for node in chosen:
+        parent = parents[node]
+        if parent >= 0 and parent not in index:
+            raise AssertionError(f"eagle tree: node {node} selected without its parent {parent}")
+        new_parents.append(-1 if parent < 0 else index[parent])
+    candidates = Candidates(torch.tensor([tokens[i] for i in chosen], dtype=torch.long),
+                            torch.tensor(new_parents, dtype=torch.long))
+    candidates.info["scores"] = [scores[i] for i in chosen]
+    return candidates

@@ -1,0 +1,82 @@
+"""Medusa drafting with a static tree: the heads read the target's final feature of the token before
+the root (position T-2), so head k (0-based) ranks candidates for x_{T+k}; node path (i0, ..., id)
+takes the i_d-th ranked token of head d. Drafts are deterministic (top-k), so sampling stays
+lossless with the EAGLE-2 rule; Medusa's typical acceptance is the runtime's LOSSY option
+(`speculative_generate(verification="typical")`)."""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from eval.drafters import Candidates, DraftState
+from eval.medusa_trees import Choices, choices_to_parents, normalize_choices
+from eval.model import LeanLlama
+from heads.medusa import MedusaHeads
+
+
+class MedusaDrafter:
+    feature_layers: tuple[int, ...] = (-1,)
+
+    def __init__(self, heads: MedusaHeads, target: LeanLlama, choices: Sequence[Sequence[int]]):
+        self.choices: Choices = normalize_choices(choices)
+        self.num_used = max(len(path) for path in self.choices)
+        if self.num_used > heads.config.num_heads:
+            raise ValueError(f"medusa tree has depth {self.num_used} > {heads.config.num_heads} heads")
+        self.heads, self.target = heads.eval(), target
+        self.parents = torch.tensor(choices_to_parents(self.choices), dtype=torch.long)
+        self.head_index = torch.tensor([len(path) - 1 for path in self.choices])  # (N,)
+        self.rank_index = torch.tensor([path[-1] for path in self.choices])  # (N,)
+        self.top = int(self.rank_index.max()) + 1
+        # Transposed contiguous vocabulary projections (x @ W_t is the fast CPU GEMV).
+        shared = target.lm_head.weight_t  # (D, V)
+        self.projections = [
+            shared if heads.config.share_lm_head else heads.lm_head_weight(k).detach().t().contiguous()
+            for k in range(self.num_used)
+        ]
+
+    def reset(self, prompt: torch.Tensor) -> None:
+        pass
+
+    @torch.no_grad()
+    def head_logits(self, features: torch.Tensor) -> torch.Tensor:
+        """(n, D) target features -> (K_used, n, V) float logits."""
+        x = features[None].to(self.projections[0].dtype)  # (1, n, D)
+        return torch.stack([(self.heads.hidden_one(k, x)[0] @ self.projections[k]).float()
+                            for k in range(self.num_used)])
+
+    @torch.no_grad()
+    def propose(self, state: DraftState) -> Candidates:
+        feature = state.new_features[state.num_layers][-1:]  # (1, D): token before the root
+        ranked = self.head_logits(feature)[:, 0].topk(self.top, dim=-1).indices  # (K_used, top)
+        tokens = ranked[self.head_index, self.rank_index]  # (N,)
+        return Candidates(tokens, self.parents.clone())
+
+    def accept(self, state: DraftState, accepted: list[int]) -> None:
+        pass
+
+
+@torch.no_grad()
+def measure_rank_accuracies(drafter: MedusaDrafter, sequences: Sequence[torch.Tensor], prompt_lengths: Sequence[int],
+                            top: int = 10) -> list[list[float]]:
+    """Per head k, the fraction of positions where the true next-(k+2) token is the head's i-th
+    ranked token (i < top), over the generated part of each (T,) sequence (prompt + greedy
+    continuation). Feeds `build_tree_from_accuracies`."""
+    heads = drafter.num_used
+    hits = torch.zeros(heads, top)
+    counts = torch.zeros(heads)
+    for sequence, prompt_length in zip(sequences, prompt_lengths):
+        cache = drafter.target.new_cache(sequence.shape[0])
+        features = drafter.target(sequence, cache, hidden_layers=(-1,), logits="none").hidden[
+            drafter.target.config.num_layers]  # (T, D)
+        logits = drafter.head_logits(features)  # (K, T, V)
+        for k in range(heads):
+            rows = torch.arange(max(prompt_length - 1, 0), sequence.shape[0] - k - 2)
+            if rows.numel() == 0:
+                continue
+            labels = sequence[rows + k + 2]
+            chosen = logits[k, rows]  # (R, V)
+            ranks = (chosen > chosen.gather(1, labels[:, None])).sum(-1)  # (R,)
+            hits[k] += torch.bincount(ranks[ranks < top], minlength=top)[:top].float()
+            counts[k] += rows.numel()
+    return (hits / counts.clamp_min(1)[:, None]).tolist()
