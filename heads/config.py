@@ -23,6 +23,8 @@ class EagleOptions:
     logit_loss_weight: float = 0.1  # soft cross-entropy against the target's distribution
     input_noise: float = 0.2  # uniform noise U(-a/2, a/2) added to input features in training
     eval_steps: int = 4  # held-out evaluation feeds the head its own predictions this many steps
+    init_layer: int | None = -1  # start the decoder layer from this target layer; None: random init
+    init_fc: str = "feature"  # feature: fc starts as [0 | I] (passes f_t through) | random
 
 
 @dataclass

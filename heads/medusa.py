@@ -80,6 +80,8 @@ class MedusaHeads(nn.Module):
         """x (B, T, D) target's final feature -> (K, B, T, D)."""
         return torch.stack([self.hidden_one(k, x) for k in range(self.config.num_heads)])
 
+    forward = hidden  # DDP and friends call forward()
+
     def logits(self, x: torch.Tensor, lm_head_weight: torch.Tensor | None = None) -> torch.Tensor:
         """x (B, T, D) -> (K, B, T, V). `lm_head_weight` (V, D): the target's, used iff share_lm_head."""
         return torch.stack([

@@ -73,6 +73,7 @@ def validate_job(job: JobConfig) -> JobConfig:
     _positive("heads.eagle.logit_loss_weight", job.heads.eagle.logit_loss_weight, allow_zero=True)
     _positive("heads.eagle.input_noise", job.heads.eagle.input_noise, allow_zero=True)
     _positive("heads.eagle.eval_steps", job.heads.eagle.eval_steps)
+    _choice("heads.eagle.init_fc", job.heads.eagle.init_fc, {"feature", "random"})
     arch_hidden = job.model.arch.hidden_size
     if job.heads.hidden_size is not None and arch_hidden is not None and job.heads.hidden_size != arch_hidden:
         raise ConfigError(
@@ -98,6 +99,7 @@ def validate_job(job: JobConfig) -> JobConfig:
     _positive("trainer.eval_every", t.eval_every)
     _positive("trainer.save_every", t.save_every)
     _positive("trainer.keep_last", t.keep_last)
+    _positive("trainer.loss_chunk_size", t.loss_chunk_size)
     _positive("trainer.max_minutes", t.max_minutes)
     if not 0.0 <= t.warmup_ratio < 1.0:
         raise ConfigError(f"trainer.warmup_ratio={t.warmup_ratio} must be in [0, 1)")

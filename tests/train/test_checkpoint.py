@@ -1,0 +1,79 @@
+import json
+import random
+
+import pytest
+import torch
+
+from heads.eagle import EagleConfig, EagleHead
+from heads.io import load_head
+from train.checkpoint import (
+    latest_valid_checkpoint, list_checkpoints, load_checkpoint, prune_checkpoints, read_state, rng_state,
+    save_checkpoint, set_rng_state,
+)
+from tests.tiny import tiny_target
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_target()
+
+
+def _save(root, step, target, extra=None):
+    config = EagleConfig.from_target(target)
+    head = EagleHead(config)
+    optimizer = torch.optim.AdamW(head.parameters(), lr=1e-3)
+    head(torch.randn(1, 3, 64), torch.randn(1, 3, 64), torch.arange(3)[None])[0].sum().backward()
+    optimizer.step()
+    return save_checkpoint(root, step, head, config, optimizer.state_dict(), {"last_epoch": step},
+                           [rng_state()], {"data_position": {"epoch": 0, "index": step}, **(extra or {})}), head
+
+
+def test_save_is_complete_and_loadable(tmp_path, target):
+    path, head = _save(tmp_path, 3, target)
+    assert path.name == "step-00000003" and not list(tmp_path.glob(".tmp-*"))
+    state = read_state(path)
+    assert state["step"] == 3 and state["complete"] and state["data_position"]["index"] == 3
+    loaded = load_checkpoint(path)
+    assert loaded["scheduler"] == {"last_epoch": 3} and len(loaded["rng"]) == 1
+    assert loaded["optimizer"]["state"][0]["exp_avg"].shape == head.fc.weight.shape
+    restored, _, meta = load_head(path, target)  # a checkpoint is a native head folder
+    assert meta["step"] == 3
+    torch.testing.assert_close(restored.fc.weight, head.fc.weight)
+
+
+def test_truncated_or_unfinished_checkpoints_are_skipped(tmp_path, target):
+    _save(tmp_path, 2, target)
+    newer, _ = _save(tmp_path, 4, target)
+    weights = newer / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:100])  # a kill while writing (were it not atomic)
+    (tmp_path / ".tmp-step-00000006").mkdir()  # leftover of an interrupted save
+    assert read_state(newer) is None
+    assert latest_valid_checkpoint(tmp_path).name == "step-00000002"
+    with pytest.raises(ValueError, match="not a complete checkpoint"):
+        load_checkpoint(newer)
+    state = json.loads((tmp_path / "step-00000002" / "trainer_state.json").read_text())
+    state["complete"] = False
+    (tmp_path / "step-00000002" / "trainer_state.json").write_text(json.dumps(state))
+    assert latest_valid_checkpoint(tmp_path) is None
+
+
+def test_keep_last_plus_best(tmp_path, target):
+    for step in (1, 2, 3, 4, 5):
+        _save(tmp_path, step, target)
+    prune_checkpoints(tmp_path, keep_last=2, keep_steps={2})
+    assert [s for s, _ in list_checkpoints(tmp_path)] == [2, 4, 5]
+
+
+def test_resave_same_step_replaces(tmp_path, target):
+    _save(tmp_path, 1, target, {"marker": "old"})
+    _save(tmp_path, 1, target, {"marker": "new"})
+    assert read_state(tmp_path / "step-00000001")["marker"] == "new"
+    assert [p.name for p in tmp_path.iterdir()] == ["step-00000001"]
+
+
+def test_rng_round_trip():
+    state = rng_state()
+    a = (random.random(), torch.rand(3))
+    set_rng_state(state)
+    b = (random.random(), torch.rand(3))
+    assert a[0] == b[0] and torch.equal(a[1], b[1])

@@ -1,0 +1,88 @@
+import pytest
+import torch
+from torch import nn
+
+from heads.eagle import EagleConfig, EagleHead
+from heads.medusa import MedusaConfig, MedusaHeads
+from train.evaluate import acceptance_estimate, eagle_eval_counts, eagle_unroll, medusa_eval_counts, summarize
+from train.objectives import FrozenParts, OnlineFeatures
+from tests.tiny import tiny_target
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_target()
+
+
+def _batch(T=12, B=2, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, 128, (B, T), generator=g)
+    loss_mask = torch.ones(B, T, dtype=torch.long)
+    loss_mask[:, :3] = 0
+    return {"input_ids": ids, "attention_mask": torch.ones(B, T, dtype=torch.long), "loss_mask": loss_mask}
+
+
+def test_acceptance_estimate_by_hand():
+    assert acceptance_estimate([0.5, 0.5, 0.5]) == pytest.approx(1 + 0.5 + 0.25 + 0.125)
+    assert acceptance_estimate([1.0, 1.0, 0.0, 1.0]) == 3.0
+    assert acceptance_estimate([0.8, 0.5], depth=1) == pytest.approx(1.8)
+    assert acceptance_estimate([]) == 1.0
+
+
+class OracleHead(nn.Module):
+    """Returns the target's true feature for position t+1+j (j read from the position ids)."""
+
+    def __init__(self, features, sign=1.0):
+        super().__init__()
+        self.features, self.sign = features, sign
+
+    def forward(self, embeds, inputs, position_ids, attention_mask=None, past_key_values=None, use_cache=False):
+        j = int(position_ids[0, 0])
+        n = inputs.shape[1]
+        out = torch.zeros_like(inputs)
+        out[:, : n - j] = self.features[:, 1 + j:]
+        return self.sign * out, (torch.zeros(1), torch.zeros(1))
+
+
+def test_eagle_counts_with_perfect_and_wrong_heads(target):
+    batch = _batch()
+    features = OnlineFeatures(target)(batch)
+    parts = FrozenParts.from_target(target)
+    counts = eagle_eval_counts(OracleHead(features), parts, batch, features, steps=3)
+    metrics = summarize(counts, "eagle")
+    assert [metrics[f"eval/top1_step{j}"] for j in range(3)] == [1.0, 1.0, 1.0]
+    assert metrics["eval/acceptance_length"] == 4.0
+    # chain t at step j counts iff x_{t+2+j} is an assistant token (index 3..11): t in [max(0, 1-j), 9-j]
+    assert counts[:, 2].tolist() == [18.0, 18.0, 16.0]
+    wrong = summarize(eagle_eval_counts(OracleHead(features, -1.0), parts, batch, features, 3), "eagle")
+    assert wrong["eval/top1_step0"] == 0.0 and wrong["eval/acceptance_length"] == 1.0
+
+
+def test_unroll_matches_sequential_decoding(target):
+    """The all-chains mask gives what a KV-cached draft loop gives for one chain."""
+    head = EagleHead(EagleConfig.from_target(target)).eval()
+    parts = FrozenParts.from_target(target)
+    batch = _batch(T=10, B=1)
+    ids, features = batch["input_ids"], OnlineFeatures(target)(batch)
+    steps = 3
+    unrolled = eagle_unroll(head, parts, ids, features, steps)
+    for t in (0, 3, 5):
+        pos = torch.arange(t + 1)[None]
+        out, kv = head(parts.embed(ids[:, 1:t + 2]), features[:, : t + 1], pos, use_cache=True)
+        feature = out[:, -1:]
+        torch.testing.assert_close(feature[0, 0], unrolled[0][0, t], atol=1e-5, rtol=1e-4)
+        for j in range(1, steps):
+            out, kv = head(parts.embed(ids[:, t + 1 + j: t + 2 + j]), feature, torch.tensor([[t + j]]),
+                           past_key_values=kv, use_cache=True)
+            feature = out
+            torch.testing.assert_close(feature[0, 0], unrolled[j][0, t], atol=1e-5, rtol=1e-4)
+
+
+def test_medusa_counts_shapes(target):
+    batch = _batch()
+    features = OnlineFeatures(target)(batch)
+    heads = MedusaHeads(MedusaConfig.from_target(target, num_heads=3))
+    counts = medusa_eval_counts(heads, FrozenParts.from_target(target), batch, features)
+    assert counts.shape == (3, 3)
+    assert counts[:, 2].tolist() == [18.0, 18.0, 16.0]
+    assert (counts[:, 0] <= counts[:, 1]).all()

@@ -1,0 +1,136 @@
+import json
+import math
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from heads.io import load_head
+from train.loop import TrainingDiverged, lr_factor, train_heads
+from train.objectives import OnlineFeatures
+from tests.tiny import tiny_target
+from tests.train.loop_fixtures import tiny_data, tiny_job
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _metrics(run_dir, key="train/loss"):
+    lines = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+    return {line["step"]: line[key] for line in lines if key in line}
+
+
+def test_lr_schedule():
+    assert lr_factor(0, 4, 20, "cosine") == 0.25 and lr_factor(3, 4, 20, "cosine") == 1.0
+    assert lr_factor(12, 4, 20, "cosine") == pytest.approx(0.5)
+    assert lr_factor(12, 4, 20, "linear") == pytest.approx(0.5)
+    assert lr_factor(20, 4, 20, "linear") == 0.0 and lr_factor(19, 0, 20, "constant") == 1.0
+    assert lr_factor(4 + 4, 4, 20, "cosine") == pytest.approx(0.5 * (1 + math.cos(math.pi / 4)))
+
+
+@pytest.mark.parametrize("kind", ["eagle", "medusa"])
+def test_tiny_training_lowers_the_loss(tmp_path, kind):
+    target = tiny_target()
+    job = tiny_job(tmp_path, kind, max_steps=24, eval_every=12, save_every=12, learning_rate=1e-2)
+    result = train_heads(job, target, tiny_data())
+    losses = _metrics(tmp_path)
+    assert result.steps == 24 and result.stopped == "max_steps"
+    assert sum(losses[s] for s in range(21, 25)) < 0.9 * sum(losses[s] for s in range(1, 5))
+    assert "eval/acceptance_length" in result.final_eval
+    head, config, meta = load_head(result.best_checkpoint, target)
+    assert meta["type"] == kind and meta["step"] == result.best_eval["step"]
+    assert json.loads((tmp_path / "result.json").read_text())["steps"] == 24
+
+
+def test_resume_after_a_crash_reproduces_the_losses(tmp_path):
+    target, data = tiny_target(), tiny_data()
+    job = tiny_job(tmp_path, keep_last=3)
+    train_heads(job, target, data)
+    uninterrupted = _metrics(tmp_path)
+    # The run "died" after its step-4 checkpoint: the later checkpoint never happened.
+    shutil.rmtree(tmp_path / "checkpoints" / "step-00000008")
+    result = train_heads(job, target, data)
+    resumed = _metrics(tmp_path)
+    assert result.steps == 8 and sorted(resumed) == list(range(1, 9))
+    for step in range(5, 9):
+        assert resumed[step] == pytest.approx(uninterrupted[step], rel=1e-6, abs=1e-7)
+
+
+_KILLED_RUN = """
+import sys, time, torch
+torch.set_num_threads(1)
+sys.path.insert(0, {root!r})
+from tests.tiny import tiny_target
+from tests.train.loop_fixtures import tiny_data, tiny_job
+from train.loop import train_heads
+from train.objectives import OnlineFeatures
+target = tiny_target()
+online = OnlineFeatures(target)
+def slow(batch):
+    time.sleep(0.25)
+    return online(batch)
+train_heads(tiny_job({run_dir!r}, save_every=2, keep_last=3), target, tiny_data(), source=slow)
+"""
+
+
+def test_sigkill_mid_run_then_resume_matches_uninterrupted(tmp_path):
+    target, data = tiny_target(), tiny_data()
+    reference_dir, killed_dir = tmp_path / "reference", tmp_path / "killed"
+    train_heads(tiny_job(reference_dir, save_every=2, keep_last=3), target, data)
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "WANDB_MODE": "offline"}
+    process = subprocess.Popen([sys.executable, "-c", _KILLED_RUN.format(root=str(ROOT), run_dir=str(killed_dir))],
+                               env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    deadline = time.time() + 120
+    while time.time() < deadline and process.poll() is None:
+        if (killed_dir / "metrics.jsonl").is_file() and max(_metrics(killed_dir), default=0) >= 5:
+            break
+        time.sleep(0.05)
+    assert process.poll() is None, process.stderr.read().decode()[-2000:]
+    process.send_signal(signal.SIGKILL)
+    process.wait()
+    steps_done = max(_metrics(killed_dir))
+    assert 5 <= steps_done < 8
+    result = train_heads(tiny_job(killed_dir, save_every=2, keep_last=3), target, data)
+    assert result.steps == 8
+    reference, resumed = _metrics(reference_dir), _metrics(killed_dir)
+    assert sorted(resumed) == list(range(1, 9))
+    for step in range(1, 9):
+        assert resumed[step] == pytest.approx(reference[step], rel=1e-6, abs=1e-7)
+
+
+def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path):
+    target = tiny_target()
+    online, calls = OnlineFeatures(target), []
+
+    def poisoned(batch):
+        calls.append(1)
+        features = online(batch)
+        return features * float("nan") if len(calls) == 3 else features
+
+    job = tiny_job(tmp_path, save_every=2)
+    with pytest.raises(TrainingDiverged, match=r"non-finite loss at step 3.*step-00000002"):
+        train_heads(job, target, tiny_data(), source=poisoned)
+    assert [p.name for p in (tmp_path / "checkpoints").iterdir()] == ["step-00000002"]
+
+
+def test_wandb_offline_run_folder_and_metrics_jsonl(tmp_path, monkeypatch):
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    job = tiny_job(tmp_path, max_steps=4, eval_every=2)
+    job.logger.kind = "wandb"
+    train_heads(job, tiny_target(), tiny_data())
+    runs = list((tmp_path / "wandb").glob("offline-run-*"))
+    assert len(runs) == 1 and list(runs[0].glob("*.wandb"))
+    assert sorted(_metrics(tmp_path)) == [1, 2, 3, 4]
+    assert sorted(_metrics(tmp_path, "eval/acceptance_length")) == [2, 4]
+    assert set(_metrics(tmp_path, "train/tokens_per_s")) == {1, 2, 3, 4}
+
+
+def test_max_minutes_stops_early(tmp_path):
+    result = train_heads(tiny_job(tmp_path, max_minutes=1e-6), tiny_target(), tiny_data())
+    assert result.stopped == "max_minutes" and result.steps == 1
+    assert result.last_checkpoint.name == "step-00000001"

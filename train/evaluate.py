@@ -1,0 +1,143 @@
+"""Held-out accuracies while training, and the acceptance length they predict.
+
+Both head types are compared with the *target's greedy token* (what greedy verification accepts),
+on assistant positions of held-out rows, teacher-forced on the data tokens:
+- Medusa head k at position t: its top-1/top-5 vs argmax lm_head(f_{t+k+1}) (the target's choice
+  for x_{t+k+2}).
+- EAGLE step j (0-based) for the chain starting at t: the head reads the data token x_{t+1+j} and,
+  for j >= 1, its *own* predicted feature from step j-1 instead of f_{t+j}; it attends to the
+  true features of the context (positions <= t) and to its own earlier chain entries, exactly as
+  in speculative decoding (EAGLE-3's "training-time test" mask). Its top-1/top-5 is compared with
+  argmax lm_head(f_{t+1+j}).
+
+Acceptance estimate for a chain of depth d from per-step top-1 accuracies a_0..a_{d-1}:
+    tau(d) = 1 + sum_{k=1..d} prod_{j<k} a_j
+(one token from the target's own verification step, plus each drafted token that survives; step
+j's accuracy stands in for its acceptance given the previous steps were accepted).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from train.losses import eagle_position_mask, medusa_position_mask
+from train.objectives import FrozenParts
+
+
+def acceptance_estimate(accuracies: list[float], depth: int | None = None) -> float:
+    """tau = 1 + sum_{k=1..d} prod_{j<k} a_j; d defaults to len(accuracies)."""
+    depth = len(accuracies) if depth is None else min(depth, len(accuracies))
+    tau, survive = 1.0, 1.0
+    for a in accuracies[:depth]:
+        survive *= a
+        tau += survive
+    return tau
+
+
+def _topk_hits(logits: torch.Tensor, truth: torch.Tensor, k: int = 5) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits (N, V), truth (N,) -> (top-1 hits, top-k hits) counts as 0-d tensors."""
+    top = logits.topk(min(k, logits.shape[-1]), dim=-1).indices  # (N, k)
+    return (top[:, 0] == truth).sum(), (top == truth[:, None]).any(-1).sum()
+
+
+def _greedy(features: torch.Tensor, weight: torch.Tensor, chunk_size: int = 1024) -> torch.Tensor:
+    """features (N, D) -> argmax tokens (N,), chunked over rows."""
+    return torch.cat([F.linear(features[s:s + chunk_size], weight).argmax(-1)
+                      for s in range(0, features.shape[0], chunk_size)]) if features.shape[0] else \
+        torch.zeros(0, dtype=torch.long, device=features.device)
+
+
+def _count(counts: torch.Tensor, step: int, logits: torch.Tensor, truth: torch.Tensor) -> None:
+    top1, top5 = _topk_hits(logits, truth)
+    counts[step] += torch.stack([top1, top5, torch.tensor(truth.shape[0], device=truth.device)]).to(counts)
+
+
+@torch.no_grad()
+def eagle_unroll(head: nn.Module, parts: FrozenParts, ids: torch.Tensor, features: torch.Tensor,
+                 steps: int) -> list[torch.Tensor]:
+    """All chains at once: entry j (B, T-1, D) holds, at index t, the head's feature for position
+    t+1+j after reading x_{t+1..t+1+j}, the true features f_{<=t} and its own j earlier outputs."""
+    B, T = ids.shape
+    n = T - 1
+    positions = torch.arange(n, device=ids.device).expand(B, n)
+    causal = torch.ones(n, n, dtype=torch.bool, device=ids.device).tril()
+    diagonal = torch.eye(n, dtype=torch.bool, device=ids.device)
+    inputs, past, mask, outputs = features[:, :-1], None, None, []
+    for j in range(min(steps, n)):
+        token_ids = torch.zeros_like(ids[:, 1:])  # (B, n): x_{t+1+j}, zeros past the end
+        token_ids[:, : n - j] = ids[:, 1 + j:]
+        embeds = parts.embed(token_ids).to(inputs.dtype)
+        if j > 0:  # chain t sees the true context (<= t) and its own entries of steps 1..j
+            mask = torch.cat([causal] + [diagonal] * j, dim=1)[None, None]  # (1, 1, n, n*(j+1))
+        predicted, past = head(embeds, inputs, positions + j, attention_mask=mask, past_key_values=past,
+                               use_cache=True)
+        outputs.append(predicted)
+        inputs = predicted
+    return outputs
+
+
+@torch.no_grad()
+def eagle_eval_counts(head: nn.Module, parts: FrozenParts, batch: dict, features: torch.Tensor,
+                      steps: int) -> torch.Tensor:
+    """(steps, 3) float counts of [top-1 hits, top-5 hits, positions] for one batch."""
+    ids = batch["input_ids"]  # (B, T)
+    n = ids.shape[1] - 1
+    counts = torch.zeros(steps, 3, device=ids.device)
+    base_mask = eagle_position_mask(batch["loss_mask"], batch["attention_mask"])  # (B, n)
+    for j, predicted in enumerate(eagle_unroll(head, parts, ids, features, steps)):
+        valid = torch.zeros_like(base_mask)  # chain t at step j predicts the token after position t+1+j
+        valid[:, : n - j] = base_mask[:, j:]
+        truth_features = torch.zeros_like(features[:, 1:])  # f_{t+1+j}
+        truth_features[:, : n - j] = features[:, 1 + j:]
+        truth = _greedy(truth_features[valid], parts.lm_head_weight)
+        _count(counts, j, F.linear(predicted[valid], parts.lm_head_weight), truth)
+    return counts
+
+
+@torch.no_grad()
+def medusa_eval_counts(heads: nn.Module, parts: FrozenParts, batch: dict, features: torch.Tensor) -> torch.Tensor:
+    """(K, 3) float counts of [top-1 hits, top-5 hits, positions] for one batch."""
+    module = getattr(heads, "module", heads)
+    hidden = heads(features)  # (K, B, T, D)
+    K, T = hidden.shape[0], features.shape[1]
+    counts = torch.zeros(K, 3, device=features.device)
+    for k in range(K):
+        valid = medusa_position_mask(batch["loss_mask"], k, batch["attention_mask"])  # (B, T)
+        truth_features = torch.zeros_like(features)  # f_{t+k+1}
+        if k + 1 < T:
+            truth_features[:, : T - (k + 1)] = features[:, k + 1:]
+        truth = _greedy(truth_features[valid], parts.lm_head_weight)
+        _count(counts, k, F.linear(hidden[k][valid], module.lm_head_weight(k, parts.lm_head_weight)), truth)
+    return counts
+
+
+def summarize(counts: torch.Tensor, kind: str) -> dict[str, float]:
+    """(S, 3) summed counts -> {eval/top1_<i>, eval/top5_<i>, eval/positions, eval/acceptance_length}."""
+    name = "step" if kind == "eagle" else "head"
+    top1 = (counts[:, 0] / counts[:, 2].clamp(min=1)).tolist()
+    top5 = (counts[:, 1] / counts[:, 2].clamp(min=1)).tolist()
+    metrics = {"eval/positions": float(counts[0, 2])}
+    for i, (a1, a5) in enumerate(zip(top1, top5)):
+        metrics[f"eval/top1_{name}{i}"] = a1
+        metrics[f"eval/top5_{name}{i}"] = a5
+    metrics["eval/acceptance_length"] = acceptance_estimate(top1)
+    return metrics
+
+
+@torch.no_grad()
+def run_eval(head: nn.Module, kind: str, parts: FrozenParts, source, batches, eagle_steps: int,
+             shape: tuple[int, int], reduce=None) -> dict[str, float]:
+    """Sum counts (shape (steps or K, 3)) over `batches` (this process's share, maybe empty),
+    `reduce(counts)` sums them across processes (None: one process), and summarize."""
+    counts = torch.zeros(shape, device=parts.lm_head_weight.device)
+    for batch in batches:
+        features = source(batch)
+        if kind == "eagle":
+            c = eagle_eval_counts(head, parts, batch, features, eagle_steps)
+        else:
+            c = medusa_eval_counts(head, parts, batch, features)
+        counts[: c.shape[0]] += c
+    if reduce is not None:
+        counts = reduce(counts)
+    return summarize(counts.cpu(), kind)

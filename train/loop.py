@@ -1,0 +1,302 @@
+"""The training loop: frozen target -> features -> head -> loss -> AdamW, on accelerate.
+
+Entry point for the pipeline: `train_heads(job, target, data) -> TrainResult`.
+Written for several processes: every process runs the same step count over its own slice of each
+global batch (deterministic from seed + epoch), metrics are summed across processes before the
+main process logs them, and only the main process writes files.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from heads.eagle import EagleConfig, init_from_target as init_eagle
+from heads.io import build_head, load_head, read_head_meta
+from heads.medusa import MedusaConfig, init_from_target as init_medusa
+from train.checkpoint import (
+    latest_valid_checkpoint, load_checkpoint, prune_checkpoints, rng_state, save_checkpoint, set_rng_state,
+)
+from train.data_order import BatchStream, eval_batches
+from train.evaluate import run_eval
+from train.metrics import MetricsLogger, gpu_memory_metrics
+from train.objectives import FeatureSource, FrozenParts, OnlineFeatures, eagle_step, medusa_step
+
+log = logging.getLogger(__name__)
+BEST_METRIC = "eval/acceptance_length"  # higher is better
+
+
+class TrainingDiverged(RuntimeError):
+    """A non-finite loss or gradient norm; the last good checkpoint is kept."""
+
+
+@dataclass
+class TrainResult:
+    run_dir: Path
+    head_type: str
+    steps: int
+    stopped: str  # max_steps | max_minutes
+    last_checkpoint: Path | None
+    best_checkpoint: Path | None  # a native head folder (heads.io.load_head) plus trainer state
+    best_eval: dict = field(default_factory=dict)
+    final_eval: dict = field(default_factory=dict)
+
+
+def lr_factor(step: int, warmup_steps: int, total_steps: int, schedule: str) -> float:
+    """Multiplier of the peak learning rate for optimizer step `step` (0-based): linear warmup to 1
+    over warmup_steps, then cosine or linear decay to 0 at total_steps, or constant."""
+    if warmup_steps > 0 and step < warmup_steps:
+        return (step + 1) / warmup_steps
+    if schedule == "constant":
+        return 1.0
+    progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
+    if schedule == "cosine":
+        return 0.5 * (1.0 + math.cos(math.pi * progress))
+    if schedule == "linear":
+        return 1.0 - progress
+    raise ValueError(f"trainer.schedule={schedule!r} is not one of ['constant', 'cosine', 'linear']")
+
+
+def build_head_for_job(job, target):
+    """(head, head config): from trainer.init_from when set, else fresh and initialised from the target."""
+    kind = job.heads.type
+    if job.trainer.init_from:
+        meta = read_head_meta(job.trainer.init_from)
+        if meta["type"] != kind:
+            raise ValueError(f"trainer.init_from={job.trainer.init_from} holds a {meta['type']} head, "
+                             f"but heads.type={kind}")
+        head, config, _ = load_head(job.trainer.init_from, target)
+        return head, config
+    if kind == "eagle":
+        config = EagleConfig.from_target(target, fc_bias=job.heads.eagle.fc_bias)
+        head = init_eagle(build_head(config), target, job.heads.eagle.init_layer, job.heads.eagle.init_fc)
+    else:
+        m = job.heads.medusa
+        config = MedusaConfig.from_target(target, num_heads=m.num_heads, num_layers=m.num_layers,
+                                          share_lm_head=m.share_lm_head)
+        head = init_medusa(build_head(config), target)
+    if job.heads.hidden_size is not None and job.heads.hidden_size != config.hidden_size:
+        raise ValueError(f"heads.hidden_size={job.heads.hidden_size} but the target's is {config.hidden_size}")
+    return head, config
+
+
+def _resume_path(trainer, root: Path) -> Path | None:
+    if trainer.resume == "never":
+        return None
+    if trainer.resume == "auto":
+        return latest_valid_checkpoint(root)
+    path = Path(trainer.resume)
+    if path.name == "checkpoints" or (path / "checkpoints").is_dir():
+        path = latest_valid_checkpoint(path if path.name == "checkpoints" else path / "checkpoints")
+    return path
+
+
+def train_heads(job, target, data, source: FeatureSource | None = None, accelerator=None) -> TrainResult:
+    """Train the job's head on `data` (PreparedData: .train/.eval rows with input_ids, loss_mask, id)
+    against the frozen `target`. `source` supplies target features (default: run the target online).
+    Writes <trainer.output_dir>/{checkpoints/, metrics.jsonl, result.json}."""
+    from accelerate.utils import gather_object, set_seed
+
+    from train.distributed import make_accelerator
+
+    t, kind = job.trainer, job.heads.type
+    if t.num_threads:
+        torch.set_num_threads(t.num_threads)
+    accelerator = accelerator or make_accelerator(t, job.deepspeed)
+    rank, world, main = accelerator.process_index, accelerator.num_processes, accelerator.is_main_process
+    run_dir, device = Path(t.output_dir), accelerator.device
+    root = run_dir / "checkpoints"
+    set_seed(t.seed + rank)
+
+    target.to(device)
+    parts = FrozenParts.from_target(target)
+    source = source or OnlineFeatures(target)
+    head, head_config = build_head_for_job(job, target)
+    head.to(device)
+    optimizer = torch.optim.AdamW(head.parameters(), lr=t.learning_rate, betas=(t.adam_beta1, t.adam_beta2),
+                                  weight_decay=t.weight_decay)
+    warmup = int(t.warmup_ratio * t.max_steps)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda s: lr_factor(s, warmup, t.max_steps, t.schedule))
+
+    pad_id = target.config.pad_token_id if target.config.pad_token_id is not None else 0
+    stream = BatchStream(data.train, t.batch_size, world, rank, t.seed, pad_id, device)
+    held_out = eval_batches(data.eval, t.batch_size, world, rank, t.eval_batches, pad_id, device)
+    state = {"step": 0, "tokens": 0, "elapsed_seconds": 0.0, "best": None, "last_eval": {}}
+
+    resume = _resume_path(t, root)
+    checkpoint = load_checkpoint(resume, device) if resume is not None else None
+    if checkpoint is not None:
+        meta = read_head_meta(resume)
+        if meta["type"] != kind:
+            raise ValueError(f"trainer.resume: {resume} holds a {meta['type']} head but heads.type={kind}")
+        head.load_state_dict(checkpoint["model"])
+        state.update({k: checkpoint["state"][k] for k in state if k in checkpoint["state"]})
+        stream.load_position(checkpoint["state"]["data_position"])
+        scheduler.load_state_dict(checkpoint["scheduler"])
+    head, optimizer = accelerator.prepare(head, optimizer)
+    if checkpoint is not None:
+        optimizer.load_state_dict(checkpoint["optimizer"])
+        ranks = checkpoint["rng"]
+        set_rng_state(ranks[rank]) if len(ranks) == world else set_seed(t.seed + rank + state["step"])
+        log.info("resumed from %s at step %d", resume, state["step"])
+
+    logger = MetricsLogger(run_dir, job.logger, dataclasses.asdict(job), resume_step=state["step"]) if main else None
+    step_fn = eagle_step if kind == "eagle" else medusa_step
+    options = job.heads.eagle if kind == "eagle" else job.heads.medusa
+    eval_rows = job.heads.eagle.eval_steps if kind == "eagle" else job.heads.medusa.num_heads
+    best_step = state["best"]["step"] if state["best"] else None
+    last_saved = resume
+
+    def reduce(tensor):
+        return accelerator.reduce(tensor, "sum") if world > 1 else tensor
+
+    def evaluate() -> dict:
+        model = accelerator.unwrap_model(head).eval()
+        with accelerator.autocast():
+            metrics = run_eval(model, kind, parts, source, held_out, job.heads.eagle.eval_steps, (eval_rows, 3),
+                               reduce)
+        head.train()
+        return metrics
+
+    def save(step: int, eval_metrics: dict | None) -> Path | None:
+        nonlocal last_saved
+        rngs = gather_object([rng_state()]) if world > 1 else [rng_state()]
+        path = None
+        if main:
+            path = save_checkpoint(root, step, accelerator.unwrap_model(head), head_config, optimizer.state_dict(),
+                                   scheduler.state_dict(), rngs,
+                                   {**state, "data_position": stream.position(), "eval": eval_metrics or {}})
+            prune_checkpoints(root, t.keep_last, {best_step} if best_step is not None else set())
+        accelerator.wait_for_everyone()
+        last_saved = root / path.name if path else root / f"step-{step:08d}"
+        return last_saved
+
+    from tqdm.auto import tqdm
+
+    bar = tqdm(total=t.max_steps, initial=state["step"], disable=not main, unit="step", dynamic_ncols=True)
+    window = _Window()
+    start_time, start_elapsed = time.time(), state["elapsed_seconds"]
+    stopped, last_eval_step = "max_steps", None
+    head.train()
+    try:
+        while state["step"] < t.max_steps:
+            grad_norm, step_started = torch.tensor(0.0), time.time()
+            for _ in range(t.grad_accumulation):
+                batch = stream.next()
+                with accelerator.accumulate(head):
+                    features = source(batch)
+                    with accelerator.autocast():
+                        out = step_fn(head, parts, batch, features, options, t.loss_chunk_size)
+                    _check_finite(reduce, out["loss"].detach(), state["step"], "loss", last_saved)
+                    accelerator.backward(out["loss"])
+                    if accelerator.sync_gradients:
+                        grad_norm = accelerator.clip_grad_norm_(head.parameters(), t.max_grad_norm)
+                        _check_finite(reduce, grad_norm.detach().float(), state["step"], "gradient norm", last_saved)
+                    optimizer.step()
+                    optimizer.zero_grad(set_to_none=True)
+                window.add(out, int(batch["attention_mask"].sum()), kind)
+            scheduler.step()
+            window.sums["seconds"] += time.time() - step_started
+            state["step"] += 1
+            step = state["step"]
+            state["elapsed_seconds"] = start_elapsed + time.time() - start_time
+            over_budget = t.max_minutes is not None and state["elapsed_seconds"] > 60 * t.max_minutes
+            over_budget = bool(reduce(torch.tensor(float(over_budget), device=device)) > 0)
+            last = step >= t.max_steps or over_budget
+            if step % t.log_every == 0 or last:
+                metrics = window.flush(reduce, device, kind, world)
+                state["tokens"] += int(metrics.pop("tokens"))
+                metrics.update({"train/lr": scheduler.get_last_lr()[0], "train/grad_norm": float(grad_norm),
+                                "train/tokens_seen": state["tokens"], **gpu_memory_metrics(device)})
+                if main:
+                    logger.log(step, metrics)
+                    bar.set_postfix(loss=f"{metrics['train/loss']:.4g}", tok_s=f"{metrics['train/tokens_per_s']:.0f}")
+            bar.update(1)
+            eval_metrics = None
+            if step % t.eval_every == 0 or last:
+                eval_metrics = state["last_eval"] = evaluate()
+                last_eval_step = step
+                value = eval_metrics[BEST_METRIC]
+                if state["best"] is None or value > state["best"]["value"]:
+                    state["best"] = {"step": step, "metric": BEST_METRIC, "value": value}
+                    best_step = step
+                if main:
+                    logger.log(step, eval_metrics)
+                    log.info("step %d eval: %s", step, _short(eval_metrics))
+            if step % t.save_every == 0 or last or (eval_metrics is not None and best_step == step):
+                save(step, eval_metrics)
+            if over_budget and step < t.max_steps:
+                stopped = "max_minutes"
+                break
+        if last_eval_step != state["step"]:
+            state["last_eval"] = evaluate()
+        best = root / f"step-{best_step:08d}" if best_step is not None else None
+        result = TrainResult(run_dir=run_dir, head_type=kind, steps=state["step"], stopped=stopped,
+                             last_checkpoint=last_saved, best_checkpoint=best,
+                             best_eval=(state["best"] or {}), final_eval=state["last_eval"])
+        if main:
+            logger.summary({**result.final_eval, "best_step": best_step})
+            (run_dir / "result.json").write_text(json.dumps(dataclasses.asdict(result), indent=1, default=str))
+    finally:
+        bar.close()
+        if logger is not None:
+            logger.close()
+    return result
+
+
+def _check_finite(reduce, value: torch.Tensor, step: int, what: str, last_saved) -> None:
+    bad = reduce((~torch.isfinite(value)).float().reshape(1))
+    if bool(bad.item() > 0):
+        raise TrainingDiverged(
+            f"non-finite {what} at step {step + 1}; stopping. The last good checkpoint is "
+            f"{last_saved or 'none (no checkpoint saved yet)'}: lower trainer.learning_rate or "
+            f"trainer.max_grad_norm, check the data, then resume from it.")
+
+
+def _short(metrics: dict) -> str:
+    return ", ".join(f"{k.split('/')[-1]}={v:.3f}" for k, v in metrics.items() if "top1" in k or "accept" in k)
+
+
+class _Window:
+    """Sums of per-step figures between two log lines."""
+
+    def __init__(self):
+        self.reset()
+
+    def reset(self):
+        self.sums: dict[str, float] = {"seconds": 0.0}
+
+    def add(self, out: dict, tokens: int, kind: str) -> None:
+        figures = {"loss": float(out["loss"].detach()), "micro_steps": 1.0, "tokens": float(tokens)}
+        if kind == "eagle":
+            figures.update(feature_loss=float(out["feature_loss"]), logit_loss=float(out["logit_loss"]),
+                           hits0=float(out["hits"].sum()), positions0=float(out["hits"].numel()))
+        else:
+            for k, (loss, hits) in enumerate(zip(out["head_losses"], out["hits"])):
+                figures.update({f"loss_head{k}": float(loss), f"hits{k}": float(hits.sum()),
+                                f"positions{k}": float(hits.numel())})
+        for key, value in figures.items():
+            self.sums[key] = self.sums.get(key, 0.0) + value
+
+    def flush(self, reduce, device, kind: str, world: int) -> dict:
+        keys = sorted(self.sums)
+        totals = dict(zip(keys, reduce(torch.tensor([self.sums[k] for k in keys], device=device)).tolist()))
+        seconds = max(totals.pop("seconds") / world, 1e-9)  # mean wall time of the steps, eval excluded
+        micro = totals.pop("micro_steps")
+        metrics = {"tokens": totals["tokens"], "train/tokens_per_s": totals.pop("tokens") / seconds}
+        for key, value in totals.items():
+            if key.startswith("hits"):
+                index = key[4:]
+                name = f"train/top1_{'step' if kind == 'eagle' else 'head'}{index}"
+                metrics[name] = value / max(totals[f"positions{index}"], 1.0)
+            elif not key.startswith("positions"):
+                metrics[f"train/{key}"] = value / micro
+        self.reset()
+        return metrics

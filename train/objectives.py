@@ -1,0 +1,89 @@
+"""One training step's math for each head type, and the seam that supplies target features.
+
+`FeatureSource` is the one function the loop calls to get the frozen target's view of a batch:
+the final post-norm features (B, T, D). The target's logits are never materialised whole: the
+losses project only the counted rows through the frozen lm_head, chunk by chunk. `OnlineFeatures`
+runs the target under no_grad; an offline cache reader implements the same protocol.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+from torch import nn
+
+from heads.config import EagleOptions, MedusaOptions
+from train.losses import (
+    add_uniform_noise, eagle_loss, eagle_position_mask, medusa_loss, medusa_position_mask,
+)
+
+
+class FeatureSource(Protocol):
+    def __call__(self, batch: dict) -> torch.Tensor:
+        """batch: input_ids (B, T), attention_mask (B, T), loss_mask (B, T), ids [B] -> the target's
+        final post-norm features (B, T, D) on the batch's device."""
+
+
+class OnlineFeatures:
+    """Run the frozen target on each batch (online mode)."""
+
+    def __init__(self, target):
+        self.target = target
+
+    def __call__(self, batch: dict) -> torch.Tensor:
+        out = self.target.features(batch["input_ids"], batch["attention_mask"], layers=(-1,))
+        return out.hidden[self.target.num_layers]
+
+
+@dataclass
+class FrozenParts:
+    """What the heads borrow from the target: embedding (V, D) and lm_head (V, D) weights."""
+
+    embed_weight: torch.Tensor
+    lm_head_weight: torch.Tensor
+
+    @classmethod
+    def from_target(cls, target) -> "FrozenParts":
+        return cls(target.embed_tokens.weight.detach(), target.lm_head.weight.detach())
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        return nn.functional.embedding(ids, self.embed_weight)
+
+
+def eagle_step(head: nn.Module, parts: FrozenParts, batch: dict, features: torch.Tensor,
+               options: EagleOptions, chunk_size: int) -> dict:
+    """Teacher-forced EAGLE step over T-1 positions (alignment: train/losses.py).
+    Returns eagle_loss's dict plus `positions` (counted rows)."""
+    ids = batch["input_ids"]  # (B, T)
+    B, T = ids.shape
+    mask = eagle_position_mask(batch["loss_mask"], batch["attention_mask"])  # (B, T-1)
+    inputs = add_uniform_noise(features[:, :-1], options.input_noise)  # (B, T-1, D) f_t
+    embeds = parts.embed(ids[:, 1:]).to(inputs.dtype)  # (B, T-1, D) embed(x_{t+1})
+    positions = torch.arange(T - 1, device=ids.device).expand(B, T - 1)
+    predicted, _ = head(embeds, inputs, positions)  # (B, T-1, D) f̂_{t+1}
+    out = eagle_loss(predicted[mask], features[:, 1:][mask], None, parts.lm_head_weight,
+                     options.feature_loss_weight, options.logit_loss_weight, chunk_size)
+    out["positions"] = int(mask.sum())
+    return out
+
+
+def medusa_step(heads: nn.Module, parts: FrozenParts, batch: dict, features: torch.Tensor,
+                options: MedusaOptions, chunk_size: int) -> dict:
+    """Medusa-1 step: head k at position t against the data token x_{t+k+2}.
+    Returns medusa_loss's dict plus `positions` (counted rows of head 0)."""
+    ids = batch["input_ids"]  # (B, T)
+    hidden = heads(features)  # (K, B, T, D)
+    module = getattr(heads, "module", heads)
+    rows, weights, labels = [], [], []
+    for k in range(hidden.shape[0]):
+        mask = medusa_position_mask(batch["loss_mask"], k, batch["attention_mask"])  # (B, T)
+        shifted = torch.zeros_like(ids)  # (B, T) x_{t+k+2}
+        if k + 2 < ids.shape[1]:
+            shifted[:, : ids.shape[1] - (k + 2)] = ids[:, k + 2:]
+        rows.append(hidden[k][mask])
+        labels.append(shifted[mask])
+        weights.append(module.lm_head_weight(k, parts.lm_head_weight))
+    out = medusa_loss(rows, weights, labels, options.loss_decay, chunk_size)
+    out["positions"] = rows[0].shape[0]
+    return out
