@@ -16,11 +16,11 @@ from pathlib import Path
 from data.config import DataConfig
 from data.sources import load_conversations
 from data.split import split_indices
-from data.template import TemplateMismatch, tokenize_with_mask
+from data.template import TemplateMismatch, Tokenized, tokenize_with_mask
 
 log = logging.getLogger(__name__)
 
-_TOKENIZE_VERSION = "1"  # bump when rendering/masking changes, to invalidate map caches
+_TOKENIZE_VERSION = "2"  # bump when rendering/masking changes, to invalidate map caches
 OVERFLOW_MODES = ("truncate", "drop", "split")
 
 
@@ -39,10 +39,11 @@ def tokenizer_signature(tokenizer) -> str:
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
 
 
-def apply_overflow(record_id: str, ids: list[int], mask: list[int], max_length: int, overflow: str):
+def apply_overflow(record_id: str, tokens: Tokenized, max_length: int, overflow: str):
     """Pieces `(id, ids, mask, truncated, status)` for one tokenized conversation; status is "ok" or
-    why the piece is dropped."""
-    if len(ids) <= max_length:
+    why the piece is dropped. Split pieces are named `<id>_0`, `<id>_1`, ..."""
+    ids, mask = tokens.input_ids, tokens.loss_mask
+    if tokens.length <= max_length:
         pieces = [(record_id, ids, mask, False)]
     elif overflow == "truncate":
         pieces = [(record_id, ids[:max_length], mask[:max_length], True)]
@@ -62,8 +63,9 @@ def _tokenize_batch(batch, tokenizer, max_length: int, overflow: str, strict: bo
                                             "assistant_tokens", "truncated", "status")}
     for record_id, messages in zip(batch["id"], batch["messages"]):
         try:
-            ids, mask = tokenize_with_mask(tokenizer, messages)
-            pieces = apply_overflow(record_id, ids, mask, max_length, overflow)
+            # split needs every token; truncate and drop never look past max_length
+            tokens = tokenize_with_mask(tokenizer, messages, None if overflow == "split" else max_length)
+            pieces = apply_overflow(record_id, tokens, max_length, overflow)
         except TemplateMismatch as error:
             if strict:
                 raise ValueError(f"record id={record_id!r}: {error}") from None

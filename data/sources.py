@@ -57,10 +57,12 @@ def resolve_source(config: DataConfig) -> tuple[str, str]:
     if config.source.startswith("embedded:"):
         raise ValueError(f"data.source: unknown embedded dataset {config.source!r} (known: {EMBEDDED_SHAREGPT})")
     path = Path(config.source).expanduser()
+    if config.format == "hub":
+        return "hub", config.source
     if config.format != "auto":
-        if config.format in ("json", "jsonl", "disk") and not path.exists():
+        if not path.exists():
             raise FileNotFoundError(f"data.source: {path} does not exist (data.format={config.format})")
-        return config.format, str(path) if config.format != "hub" else config.source
+        return config.format, str(path)
     if path.is_dir():
         return "disk", str(path)
     if path.is_file():
@@ -202,10 +204,12 @@ def load_conversations(config: DataConfig):
     try:
         dataset.save_to_disk(str(tmp))
         (tmp / "load_stats.json").write_text(json.dumps(stats, indent=1))
-        if folder.exists():  # another process finished first
-            shutil.rmtree(tmp)
-        else:
+        try:
             os.replace(tmp, folder)
+        except OSError:  # another process finished first: keep its copy
+            if not (folder / "load_stats.json").is_file():
+                raise
+            shutil.rmtree(tmp)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -19,6 +19,7 @@ token would merge with the template's text (no token boundary there), the record
 from __future__ import annotations
 
 from bisect import bisect_right
+from typing import NamedTuple
 
 _SENTINEL = "SPECHEADSREPLYSENTINEL"
 
@@ -31,14 +32,16 @@ def render(tokenizer, messages: list[dict], add_generation_prompt: bool = False)
     return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
 
 
-def reply_spans(tokenizer, messages: list[dict]) -> tuple[str, list[tuple[int, int]]]:
-    """The full render and the character span [start, end) of each assistant reply in it."""
-    full = render(tokenizer, messages)
+def reply_spans(tokenizer, messages: list[dict], full: str, char_limit: int | None = None) -> list[tuple[int, int]]:
+    """Character spans [start, end) of the assistant replies in `full` (the whole render), for the
+    turns whose generation prompt ends before `char_limit` (all turns when None)."""
     spans = []
     for i, message in enumerate(messages):
         if message["role"] != "assistant":
             continue
         head = render(tokenizer, messages[:i], add_generation_prompt=True)
+        if char_limit is not None and len(head) >= char_limit:
+            break
         turn = render(tokenizer, messages[: i + 1])
         probe = render(tokenizer, messages[:i] + [{"role": "assistant", "content": _SENTINEL}])
         if not (full.startswith(turn) and turn.startswith(head) and probe.startswith(head)):
@@ -51,18 +54,27 @@ def reply_spans(tokenizer, messages: list[dict]) -> tuple[str, list[tuple[int, i
             raise TemplateMismatch(f"turn {i}: the template does not render the reply between a fixed "
                                    f"header {before!r} and end marker {after!r}")
         spans.append((len(head) + len(before), len(turn) - len(after)))
-    return full, spans
+    return spans
 
 
-def tokenize_with_mask(tokenizer, messages: list[dict]) -> tuple[list[int], list[int]]:
-    """Render `messages` with the tokenizer's chat template; returns (input_ids, loss_mask), both
-    length T. Needs a fast tokenizer (offsets)."""
-    full, spans = reply_spans(tokenizer, messages)
+class Tokenized(NamedTuple):
+    input_ids: list[int]  # (T,) cut to max_tokens
+    loss_mask: list[int]  # (T,)
+    length: int  # tokens in the whole render, before any cut
+
+
+def tokenize_with_mask(tokenizer, messages: list[dict], max_tokens: int | None = None) -> Tokenized:
+    """Render `messages` with the tokenizer's chat template and mask the assistant replies.
+    With max_tokens, ids and mask are cut to that many tokens and later turns are not examined.
+    Needs a fast tokenizer (offsets)."""
+    full = render(tokenizer, messages)
     encoded = tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
     ids, offsets = list(encoded["input_ids"]), encoded["offset_mapping"]
+    keep = len(ids) if max_tokens is None else min(max_tokens, len(ids))
+    char_limit = offsets[keep - 1][1] if 0 < keep < len(ids) else None
     ends = [end for _, end in offsets]
     mask = [0] * len(ids)
-    for start, end in spans:
+    for start, end in reply_spans(tokenizer, messages, full, char_limit):
         t = bisect_right(ends, start)  # first token ending after the reply starts
         while t < len(ids) and offsets[t][0] < end:
             mask[t] = 1
@@ -71,7 +83,7 @@ def tokenize_with_mask(tokenizer, messages: list[dict]) -> tuple[list[int], list
             raise TemplateMismatch(f"no token boundary where the reply ending at character {end} meets "
                                    "the template's end-of-turn text")
         mask[t] = 1  # end-of-turn token
-    return ids, mask
+    return Tokenized(ids[:keep], mask[:keep], len(ids))
 
 
 def prompt_ids(tokenizer, messages: list[dict]) -> list[int]:

@@ -6,7 +6,7 @@ from data.config import DataConfig
 from data.pipeline import apply_overflow, prepare_data
 from data.prompts import eval_prompts, load_prompt_file
 from data.split import base_id
-from data.template import tokenize_with_mask
+from data.template import Tokenized, tokenize_with_mask
 
 pytestmark = pytest.mark.integration  # SmolLM2's real tokenizer (from the target cache)
 
@@ -41,7 +41,7 @@ def test_rows_split_and_stats(tmp_path, smollm2_tokenizer):
     assert len(data.train) + len(data.eval) == 60
     row = data.train[0]
     assert len(row["input_ids"]) == len(row["loss_mask"]) == row["length"]
-    ids, mask = tokenize_with_mask(smollm2_tokenizer, [{"role": "user", "content": "Question 0.0?"},
+    ids, mask, _ = tokenize_with_mask(smollm2_tokenizer, [{"role": "user", "content": "Question 0.0?"},
                                                        {"role": "assistant", "content": "Answer 0.0."}])
     by_id = {r["id"]: r for r in list(data.train) + list(data.eval)}
     assert by_id["c0_0"]["input_ids"] == ids and by_id["c0_0"]["loss_mask"] == mask
@@ -85,12 +85,14 @@ def test_overflow_modes(tmp_path, smollm2_tokenizer):
 
 def test_apply_overflow_counts_pieces_without_reply_tokens():
     ids, mask = list(range(10)), [0] * 6 + [1] * 4
-    assert [p[-1] for p in apply_overflow("a_1", ids, mask, 4, "split")] == ["no_assistant_tokens", "ok", "ok"]
-    assert [p[0] for p in apply_overflow("a_1", ids, mask, 4, "split")] == ["a_1_0", "a_1_1", "a_1_2"]
-    assert apply_overflow("a", ids, mask, 4, "truncate")[0][-1] == "no_assistant_tokens"
-    assert apply_overflow("a", ids, mask, 10, "drop") == [("a", ids, mask, False, "ok")]
+    tokens = Tokenized(ids, mask, 10)
+    assert [p[-1] for p in apply_overflow("a_1", tokens, 4, "split")] == ["no_assistant_tokens", "ok", "ok"]
+    assert [p[0] for p in apply_overflow("a_1", tokens, 4, "split")] == ["a_1_0", "a_1_1", "a_1_2"]
+    assert apply_overflow("a", tokens, 4, "truncate")[0][-1] == "no_assistant_tokens"
+    assert apply_overflow("a", tokens, 4, "drop") == [("a", [], [], False, "overflow_dropped")]
+    assert apply_overflow("a", tokens, 10, "drop") == [("a", ids, mask, False, "ok")]
     with pytest.raises(ValueError, match="data.overflow"):
-        apply_overflow("a", ids, mask, 4, "wrap")
+        apply_overflow("a", tokens, 4, "wrap")
 
 
 def test_nothing_left_is_an_error(tmp_path, smollm2_tokenizer):

@@ -30,8 +30,8 @@ def _runs(mask):
 def test_mask_is_exactly_the_replies_and_end_of_turn(family_tokenizers, family):
     tokenizer = family_tokenizers[family]
     lead, end_of_turn = FAMILIES[family]
-    ids, mask = tokenize_with_mask(tokenizer, CONVERSATION)
-    assert len(ids) == len(mask)
+    ids, mask, length = tokenize_with_mask(tokenizer, CONVERSATION)
+    assert len(ids) == len(mask) == length
     # the ids are what the model sees at inference
     assert ids == list(tokenizer.apply_chat_template(CONVERSATION, tokenize=True, return_dict=True)["input_ids"])
     replies = [m["content"] for m in CONVERSATION if m["role"] == "assistant"]
@@ -47,6 +47,15 @@ def test_mask_is_exactly_the_replies_and_end_of_turn(family_tokenizers, family):
         if message["role"] != "assistant":
             assert message["content"].strip() in unmasked
     assert "assistant" not in tokenizer.decode([i for i, m in zip(ids, mask) if m]).lower()
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_cut_mask_is_a_prefix_of_the_full_mask(family_tokenizers, family):
+    tokenizer = family_tokenizers[family]
+    ids, mask, length = tokenize_with_mask(tokenizer, CONVERSATION)
+    for cut in (1, length // 3, length // 2, length - 1, length, length + 5):
+        assert tokenize_with_mask(tokenizer, CONVERSATION, max_tokens=cut) == (ids[:cut], mask[:cut], length)
 
 
 @pytest.mark.integration
