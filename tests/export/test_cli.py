@@ -1,0 +1,97 @@
+"""`python -m export` and `python -m export validate` on a tiny base model saved as a folder."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from export import ExportError, validate_export
+from export.__main__ import CONF_DIR, run_export, run_validate, to_export_config
+from export.config import ExportConfig
+from heads.io import save_head
+from tests.export.conftest import SIZES, make_eagle
+from tests.tiny import tiny_model
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _save_base(folder: Path, seed: int) -> str:
+    """A tiny Llama plus a word-level tokenizer, saved like a hub model."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {f"t{i}": i for i in range(SIZES["vocab_size"])}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="t3"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="t3", pad_token="t0", bos_token="t1",
+                                   eos_token="t2")
+    tiny_model(seed, **SIZES).save_pretrained(folder)
+    fast.save_pretrained(folder)
+    return str(folder)
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    from export.__main__ import load_base
+
+    root = tmp_path_factory.mktemp("cli")
+    base, other = _save_base(root / "base", 0), _save_base(root / "other", 1)
+    target = load_base(base)
+    head, config = make_eagle(target)
+    save_head(root / "ckpt", head, config, extra={"training": {"steps": 7}})
+    return {"root": root, "base": base, "other": other, "ckpt": str(root / "ckpt"), "target": target}
+
+
+def _run(*args):
+    return subprocess.run([sys.executable, "-m", "export", *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=300)
+
+
+@pytest.mark.integration  # two interpreter start-ups (~10 s each on a shared 2-core machine)
+def test_cli_exports_and_validates(saved):
+    out = saved["root"] / "eagle-out"
+    done = _run(f"ckpt={saved['ckpt']}", "format=eagle", f"out={out}", "dtype=float16")
+    assert done.returncode == 0, done.stderr
+    assert validate_export(out, saved["target"])["dtype"] == "float16"
+    bad = _run("validate", str(out), f"base={saved['other']}")
+    assert bad.returncode == 1 and "base_model.fingerprint" in bad.stderr
+
+
+def test_run_export_writes_every_format_with_the_checkpoints_training_figures(saved):
+    out = saved["root"] / "all"
+    paths = run_export(ExportConfig(ckpt=saved["ckpt"], out=str(out), base=saved["base"]))
+    assert set(paths) == {"native", "eagle", "eagle_vllm"}
+    manifest = json.loads((paths["eagle"] / "specheads.json").read_text())
+    assert manifest["training"] == {"steps": 7}
+    assert manifest["base_model"]["tokenizer_hash"] == saved["target"].tokenizer_hash()
+    # An export folder is itself a valid `ckpt`.
+    again = run_export(ExportConfig(ckpt=str(paths["eagle"]), out=str(out / "again"), format="eagle_vllm",
+                                    base=saved["base"]))
+    assert validate_export(again["eagle_vllm"], saved["target"])["format"] == "eagle_vllm"
+
+
+def test_run_export_needs_ckpt_and_out(saved):
+    with pytest.raises(ExportError, match="out="):
+        run_export(ExportConfig(ckpt=saved["ckpt"]))
+
+
+def test_run_validate_exit_codes(saved, capsys):
+    folder = saved["root"] / "v"
+    run_export(ExportConfig(ckpt=saved["ckpt"], out=str(folder), format="eagle", base=saved["base"]))
+    assert run_validate([str(folder), f"base={saved['base']}"]) == 0
+    assert json.loads(capsys.readouterr().out)["valid"] is True
+    (folder / "config.json").write_text("{}")
+    assert run_validate([str(folder)]) == 1
+    assert "config.json: sha256 differs" in capsys.readouterr().err
+    assert run_validate([]) == 2 and run_validate([str(folder), "bogus=1"]) == 2
+
+
+def test_conf_default_matches_the_dataclass():
+    from hydra import compose, initialize_config_dir
+
+    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+        cfg = compose(config_name="default", overrides=["format=medusa", "out=/tmp/x"])
+    assert to_export_config(cfg) == ExportConfig(format="medusa", out="/tmp/x")
