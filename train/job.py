@@ -87,6 +87,7 @@ def validate_job(job: JobConfig) -> JobConfig:
     _choice("data.feature_cache_dtype", job.data.feature_cache_dtype, {"bfloat16", "float16", "float32"})
     _positive("data.max_length", job.data.max_length)
     _positive("data.max_records", job.data.max_records)
+    _positive("data.max_eval_records", job.data.max_eval_records, allow_zero=True)
     _positive("data.num_proc", job.data.num_proc)
     if not 0.0 < job.data.eval_fraction < 1.0:
         raise ConfigError(f"data.eval_fraction={job.data.eval_fraction} must be in (0, 1)")
