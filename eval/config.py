@@ -23,3 +23,7 @@ class RuntimeConfig:
     typical_acceptance: bool = False  # Medusa's typical acceptance: LOSSY
     compare_transformers: bool = True
     threads: int | None = None
+    tree_sweep: list[int] = field(default_factory=lambda: [4, 8, 16, 32])  # eagle_tree total_tokens sweep
+    draft_layers: int | None = None  # self_speculation: target layers in the draft; None = a quarter
+    prompt_lookup_tokens: int = 8  # prompt_lookup: longest drafted chain
+    seed: int = 0  # sampling generators (one per prompt, the same for every method)

@@ -1,0 +1,162 @@
+"""Evaluation report: report.json, a markdown table (report.md) and PNG plots (acceptance per
+depth; speedup vs tree size), plus W&B logging when a run is active. Pure over the report dict
+that `eval.run.evaluate` assembles."""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+
+def _fmt(value, digits: int = 2) -> str:
+    if value is None:
+        return "–"
+    if isinstance(value, bool):
+        return "yes" if value else "NO"
+    if isinstance(value, float):
+        return f"{value:.{digits}f}"
+    return str(value)
+
+
+def _settings(settings: dict) -> str:
+    return ", ".join(f"{k}={v}" for k, v in settings.items() if k != "choices" or v != "auto") or "–"
+
+
+def markdown_table(report: dict) -> str:
+    """The report as markdown: baselines, one row per drafter, and the notes."""
+    baselines = report["baselines"]
+    plain = baselines["plain"]
+    lines = [
+        f"# Speculative decoding report: {report['target']}",
+        "",
+        f"{report['num_prompts']} prompts, max_new_tokens={report['runtime']['max_new_tokens']}, "
+        f"sampling={report['sampling']}, {report['threads']} threads.",
+        "",
+        "| method | verification | settings | τ (bonus incl.) | mean tree | draft ms/step | verify ms/step "
+        "| tokens/s | vs plain | vs transformers | greedy identical |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    hf = baselines.get("transformers")
+    if hf is not None:
+        lines.append(f"| transformers generate | – | – | 1.00 | – | – | – | {_fmt(hf['tokens_per_second'])} "
+                     f"| {_fmt(hf['tokens_per_second'] / plain['tokens_per_second'] if plain['tokens_per_second'] else None)} "
+                     f"| 1.00 | {_fmt(hf.get('greedy_identical'))} |")
+    lines.append(f"| plain (lean forward) | – | – | 1.00 | – | – | – | {_fmt(plain['tokens_per_second'])} | 1.00 "
+                 f"| {_fmt(plain.get('speedup_vs_transformers'))} | – |")
+    for row in report["drafters"]:
+        verification = "typical (LOSSY)" if row["lossy"] else row["verification"]
+        lines.append(
+            f"| {row['name']} | {verification} | {_settings(row['settings'])} | {_fmt(row.get('tau'))} "
+            f"| {_fmt(row.get('mean_tree_size'), 1)} | {_fmt(row.get('draft_ms_per_step'), 1)} "
+            f"| {_fmt(row.get('verify_ms_per_step'), 1)} | {_fmt(row['tokens_per_second'])} "
+            f"| {_fmt(row['speedup_vs_plain'])} | {_fmt(row['speedup_vs_transformers'])} "
+            f"| {_fmt(row.get('greedy_identical'))} |")
+    depth_rows = [r for r in report["drafters"] if r.get("acceptance_per_depth") and not r["sweep"]]
+    if depth_rows:
+        width = max(len(r["acceptance_per_depth"]) for r in depth_rows)
+        lines += ["", "Acceptance per depth (fraction of steps accepting at least d drafted tokens):", "",
+                  "| method | " + " | ".join(f"d={d}" for d in range(1, width + 1)) + " |",
+                  "| --- |" + " --- |" * width]
+        for row in depth_rows:
+            values = row["acceptance_per_depth"] + [None] * (width - len(row["acceptance_per_depth"]))
+            lines.append(f"| {row['name']} | " + " | ".join(_fmt(v) for v in values) + " |")
+    lines += ["", "Notes:", ""] + [f"- {note}" for note in report.get("notes", [])]
+    mismatched = [r["name"] for r in report["drafters"] if r.get("greedy_identical") is False]
+    if mismatched:
+        lines += ["", f"**GREEDY MISMATCH against plain decoding: {', '.join(mismatched)}**"]
+    return "\n".join(lines) + "\n"
+
+
+def _tree_points(report: dict) -> list[tuple[int, dict]]:
+    rows = [r for r in report["drafters"] if r["name"].startswith("eagle_tree")]
+    return sorted((r["settings"]["total_tokens"], r) for r in rows)
+
+
+def plot_acceptance(report: dict, path: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axis = plt.subplots(figsize=(6, 4))
+    for row in report["drafters"]:
+        if row.get("acceptance_per_depth") and not row["sweep"]:
+            values = row["acceptance_per_depth"]
+            axis.plot(range(1, len(values) + 1), values, marker="o", label=f"{row['name']} (τ={row['tau']:.2f})")
+    axis.set_xlabel("depth d")
+    axis.set_ylabel("fraction of steps accepting ≥ d drafts")
+    axis.set_ylim(0, 1)
+    axis.set_title("Acceptance per depth")
+    axis.grid(alpha=0.3)
+    if axis.lines:
+        axis.legend(fontsize=8)
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+    return path
+
+
+def plot_speedup_vs_tree_size(report: dict, path: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    points = _tree_points(report)
+    figure, axis = plt.subplots(figsize=(6, 4))
+    if points:
+        sizes = [size for size, _ in points]
+        axis.plot(sizes, [r["speedup_vs_plain"] or 0.0 for _, r in points], marker="o", label="speedup vs plain")
+        axis.plot(sizes, [r.get("tau", 1.0) for _, r in points], marker="s", linestyle="--", label="τ (bonus incl.)")
+        axis.set_xscale("log", base=2)
+        axis.set_xticks(sizes, [str(s) for s in sizes])
+        axis.legend(fontsize=8)
+    else:
+        axis.text(0.5, 0.5, "no eagle_tree measurement", ha="center", va="center", transform=axis.transAxes)
+    axis.axhline(1.0, color="gray", linewidth=0.8)
+    axis.set_xlabel("tree size (total_tokens, root included)")
+    axis.set_title("EAGLE-2 tree: speedup vs tree size")
+    axis.grid(alpha=0.3)
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+    return path
+
+
+def write_report(report: dict, out_dir: str | Path) -> dict[str, Path]:
+    """Write report.json, report.md, acceptance_per_depth.png, speedup_vs_tree_size.png; log to
+    W&B when a run is active. Returns the paths by kind."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = {"json": out_dir / "report.json", "markdown": out_dir / "report.md",
+             "acceptance_plot": out_dir / "acceptance_per_depth.png",
+             "speedup_plot": out_dir / "speedup_vs_tree_size.png"}
+    paths["json"].write_text(json.dumps(report, indent=2, default=str))
+    paths["markdown"].write_text(markdown_table(report))
+    plot_acceptance(report, paths["acceptance_plot"])
+    plot_speedup_vs_tree_size(report, paths["speedup_plot"])
+    log_to_wandb(report, paths)
+    return paths
+
+
+def log_to_wandb(report: dict, paths: dict[str, Path]) -> bool:
+    """Log summary figures, the table and the plots to the active W&B run; False when none."""
+    wandb = sys.modules.get("wandb")  # never imported: no run can be active (and the import costs seconds)
+    if wandb is None or getattr(wandb, "run", None) is None:
+        return False
+    metrics = {"eval/plain_tokens_per_second": report["baselines"]["plain"]["tokens_per_second"]}
+    if "transformers" in report["baselines"]:
+        metrics["eval/transformers_tokens_per_second"] = report["baselines"]["transformers"]["tokens_per_second"]
+    columns = ["name", "verification", "tau", "tokens_per_second", "speedup_vs_plain", "speedup_vs_transformers",
+               "draft_ms_per_step", "verify_ms_per_step", "greedy_identical"]
+    table = wandb.Table(columns=columns)
+    for row in report["drafters"]:
+        table.add_data(*[row.get(c) for c in columns])
+        for key in ("tau", "tokens_per_second", "speedup_vs_plain", "speedup_vs_transformers"):
+            if row.get(key) is not None:
+                metrics[f"eval/{row['name']}/{key}"] = row[key]
+    metrics["eval/table"] = table
+    metrics["eval/acceptance_per_depth"] = wandb.Image(str(paths["acceptance_plot"]))
+    metrics["eval/speedup_vs_tree_size"] = wandb.Image(str(paths["speedup_plot"]))
+    wandb.log(metrics)
+    return True

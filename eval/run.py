@@ -1,0 +1,299 @@
+"""The measurement: drafters against plain decoding with the same lean forward and against
+transformers' `generate`, on one prompt set, in one run (per prompt every method runs in turn, so
+load on a shared machine hits all of them alike). Library code: `python -m eval` and the training
+pipeline call `evaluate`."""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable, Sequence
+
+import torch
+
+from eval.config import RuntimeConfig
+from eval.drafters import Drafter
+from eval.drafters.draft_model import DynamicGamma, self_speculation_drafter
+from eval.drafters.eagle import EagleDrafter
+from eval.drafters.medusa import MedusaDrafter, measure_rank_accuracies
+from eval.drafters.prompt_lookup import PromptLookupDrafter
+from eval.generate import GenerationResult, plain_generate, speculative_generate
+from eval.medusa_trees import build_tree_from_accuracies, expected_acceptance, parse_choices
+from eval.model import LeanLlama
+from eval.report import write_report
+from eval.sampling import SamplingConfig
+from heads.eagle import EagleHead
+from heads.medusa import MedusaHeads
+
+log = logging.getLogger(__name__)
+
+DRAFTERS = ("medusa", "eagle_chain", "eagle_tree", "prompt_lookup", "self_speculation", "draft_model")
+HEAD_DRAFTERS = {"medusa": MedusaHeads, "eagle_chain": EagleHead, "eagle_tree": EagleHead}
+MEDUSA_AUTO_NODES = 32  # node budget of the tree built from measured accuracies (small trees pay on a CPU)
+CALIBRATION_PROMPTS = 4
+
+
+@dataclass
+class Method:
+    """One measured configuration: a name, how to build its drafter, and what the report says."""
+
+    name: str
+    build: Callable[[], Drafter] | None  # None: plain decoding
+    verification: str = "lossless"
+    settings: dict = field(default_factory=dict)
+    sweep: bool = False  # a tree-size sweep point (eagle_tree at another total_tokens)
+
+
+def _eagle(head, lean, mode, runtime: RuntimeConfig, total_tokens=None) -> Callable[[], Drafter]:
+    return lambda: EagleDrafter(head, lean, mode=mode, depth=runtime.chain_depth if mode == "chain" else runtime.tree_depth,
+                                top_k=runtime.tree_top_k, total_tokens=total_tokens or runtime.tree_total_tokens)
+
+
+def _draft_cost(lean: LeanLlama, layers: int) -> float:
+    """Bytes a draft step reads relative to a target step: lm_head + `layers` blocks."""
+    per_block = sum(p.numel() for p in lean.blocks[0].parameters())
+    head = lean.lm_head.weight_t.numel()
+    return (head + layers * per_block) / (head + lean.config.num_layers * per_block)
+
+
+def _medusa_choices(heads: MedusaHeads, lean: LeanLlama, runtime: RuntimeConfig, prompts, sampling, eos):
+    if runtime.medusa_choices != "auto":
+        return parse_choices(runtime.medusa_choices), None
+    chain = [(0,) * (k + 1) for k in range(heads.config.num_heads)]
+    probe = MedusaDrafter(heads, lean, chain)
+    sequences, lengths = [], []
+    for prompt in prompts[:CALIBRATION_PROMPTS]:
+        tokens = plain_generate(lean, prompt, runtime.max_new_tokens, SamplingConfig(), eos).tokens
+        sequences.append(torch.cat([prompt, torch.tensor(tokens)]))
+        lengths.append(prompt.shape[0])
+    accuracies = measure_rank_accuracies(probe, sequences, lengths, top=10)
+    choices = build_tree_from_accuracies(accuracies, MEDUSA_AUTO_NODES)
+    log.info("medusa tree from measured rank accuracies (calibration on %d prompts that are also measured): "
+             "%d nodes, expected accepted drafts %.2f", len(sequences), len(choices),
+             expected_acceptance(choices, accuracies))
+    return choices, accuracies
+
+
+def build_methods(names: Sequence[str], runtime: RuntimeConfig, lean: LeanLlama, head=None, prompts=(),
+                  sampling=SamplingConfig(), eos=()) -> tuple[list[Method], dict]:
+    """Drafter names -> Methods (plain first). Head drafters whose head is missing are skipped
+    with a warning. Returns (methods, extra report fields)."""
+    methods, extra = [Method("plain", None)], {}
+    for name in names:
+        if name not in DRAFTERS:
+            raise ValueError(f"runtime.drafters: unknown drafter {name!r} (one of {DRAFTERS})")
+        needed = HEAD_DRAFTERS.get(name)
+        if needed is not None and not isinstance(head, needed):
+            log.warning("skipping %s: it needs a %s head (got %s)", name, needed.__name__, type(head).__name__)
+            continue
+        if name == "prompt_lookup":
+            methods.append(Method(name, lambda: PromptLookupDrafter(runtime.prompt_lookup_tokens),
+                                  settings={"num_draft": runtime.prompt_lookup_tokens}))
+        elif name in ("self_speculation", "draft_model"):
+            layers = runtime.draft_layers or max(1, lean.config.num_layers // 4)
+            cost = _draft_cost(lean, layers)
+            methods.append(Method(name, lambda layers=layers, cost=cost: self_speculation_drafter(
+                lean, layers, DynamicGamma(draft_cost=cost)), settings={"draft_layers": layers, "draft_cost": round(cost, 3)}))
+        elif name == "eagle_chain":
+            methods.append(Method(name, _eagle(head, lean, "chain", runtime), settings={"depth": runtime.chain_depth}))
+        elif name == "eagle_tree":
+            tree = {"top_k": runtime.tree_top_k, "depth": runtime.tree_depth}
+            methods.append(Method(name, _eagle(head, lean, "tree", runtime),
+                                  settings={**tree, "total_tokens": runtime.tree_total_tokens}))
+            for size in runtime.tree_sweep:
+                if size != runtime.tree_total_tokens:
+                    methods.append(Method(f"eagle_tree@{size}", _eagle(head, lean, "tree", runtime, size),
+                                          settings={**tree, "total_tokens": size}, sweep=True))
+        elif name == "medusa":
+            choices, accuracies = _medusa_choices(head, lean, runtime, prompts, sampling, eos)
+            extra["medusa"] = {"choices": [list(c) for c in choices], "rank_accuracies": accuracies}
+            verification = "typical" if runtime.typical_acceptance else "lossless"
+            methods.append(Method(name, lambda choices=choices: MedusaDrafter(head, lean, choices), verification,
+                                  settings={"tree_nodes": len(choices), "choices": runtime.medusa_choices}))
+    return methods, extra
+
+
+class _Clock:
+    """A transformers streamer that timestamps the first generated token (the end of prefill)."""
+
+    def __init__(self):
+        self.calls, self.first_token = 0, None
+
+    def put(self, value):
+        self.calls += 1
+        if self.calls == 2:
+            self.first_token = time.perf_counter()
+
+    def end(self):
+        pass
+
+
+@torch.no_grad()
+def transformers_generate(model, prompt: torch.Tensor, max_new_tokens: int, sampling: SamplingConfig,
+                          eos: Sequence[int]) -> GenerationResult:
+    """transformers' `generate` on the same prompt, timed like the lean loops."""
+    clock = _Clock()
+    options = dict(do_sample=False) if sampling.greedy else dict(
+        do_sample=True, temperature=sampling.temperature, top_k=sampling.top_k or None, top_p=sampling.top_p)
+    start = time.perf_counter()
+    out = model.generate(prompt[None], attention_mask=torch.ones_like(prompt)[None], max_new_tokens=max_new_tokens,
+                         min_new_tokens=0, eos_token_id=list(eos) or None, pad_token_id=(list(eos) or [0])[0],
+                         streamer=clock, **options)
+    end = time.perf_counter()
+    tokens = out[0, prompt.shape[0]:].tolist()
+    prefill = (clock.first_token or end) - start
+    return GenerationResult(tokens, prefill_time=prefill, total_time=end - start)
+
+
+def summarize(results: list[GenerationResult], reference: list[list[int]] | None) -> dict:
+    """Aggregate one method's per-prompt results. reference: plain greedy tokens per prompt, to
+    check lossless greedy output (None when sampling)."""
+    new_tokens = sum(len(r.tokens) for r in results)
+    decode_tokens = sum(max(len(r.tokens) - 1, 0) for r in results)
+    decode_time = sum(r.decode_time for r in results)
+    steps = [a for r in results for a in r.accepted]
+    summary = {
+        "prompts": len(results),
+        "new_tokens": new_tokens,
+        "tokens_per_second": decode_tokens / decode_time if decode_time > 0 else 0.0,
+        "end_to_end_tokens_per_second": new_tokens / max(sum(r.total_time for r in results), 1e-9),
+        "prefill_seconds": sum(r.prefill_time for r in results),
+        "decode_seconds": decode_time,
+    }
+    if steps:
+        depth = max(max(r.tree_sizes) for r in results if r.tree_sizes)
+        max_accepted = max(steps)
+        summary.update(
+            steps=len(steps),
+            tau=sum(a + 1 for a in steps) / len(steps),
+            acceptance_per_depth=[sum(a >= d for a in steps) / len(steps) for d in range(1, min(depth, max_accepted + 1) + 1)],
+            mean_tree_size=sum(s for r in results for s in r.tree_sizes) / len(steps),
+            draft_ms_per_step=1000 * sum(t for r in results for t in r.draft_times) / len(steps),
+            verify_ms_per_step=1000 * sum(t for r in results for t in r.verify_times) / len(steps),
+        )
+    if reference is not None:
+        mismatches = [i for i, (r, ref) in enumerate(zip(results, reference)) if r.tokens != ref]
+        summary["greedy_identical"] = not mismatches
+        summary["mismatched_prompts"] = mismatches
+    return summary
+
+
+def evaluate(target, prompts: Sequence[Sequence[int]], drafter_specs: Sequence[str] | None = None,
+             runtime: RuntimeConfig = RuntimeConfig(), head=None, head_config=None,
+             out_dir: str | Path = "runs/eval", progress: bool = True,
+             eos_token_ids: Sequence[int] | None = None) -> dict:
+    """Measure every drafter in `drafter_specs` (default runtime.drafters) on `prompts` (token id
+    lists) with the target (a `heads.target.FrozenTarget`; `head` an EagleHead or MedusaHeads, or
+    None for head-free drafters only). Writes report.json, report.md and PNG plots to out_dir;
+    logs to W&B when a run is active. Returns the report dict."""
+    from tqdm import tqdm
+
+    if runtime.threads:
+        torch.set_num_threads(runtime.threads)
+    prompts = [torch.as_tensor(list(p), dtype=torch.long) for p in prompts]
+    if not prompts:
+        raise ValueError("evaluate: no prompts")
+    sampling = SamplingConfig(runtime.temperature, runtime.top_k, runtime.top_p)
+    if eos_token_ids is None:
+        eos = getattr(getattr(target, "tokenizer", None), "eos_token_id", None)
+        eos_token_ids = [] if eos is None else [eos]
+    longest_tree = max([runtime.tree_total_tokens, *runtime.tree_sweep, 64])
+    max_len = max(p.shape[0] for p in prompts) + runtime.max_new_tokens + longest_tree + 8
+    lean = LeanLlama.from_hf(target.model, max_seq_len=max_len, attention=runtime.attention)
+    methods, extra = build_methods(list(drafter_specs or runtime.drafters), runtime, lean, head, prompts, sampling,
+                                   eos_token_ids)
+    compare_hf = runtime.compare_transformers
+    names = [m.name for m in methods] + (["transformers"] if compare_hf else [])
+    results: dict[str, list[GenerationResult]] = {name: [] for name in names}
+    drafters = {m.name: m.build() for m in methods if m.build is not None}
+    plain_generate(lean, prompts[0][:8], 4, sampling, eos_token_ids)  # warm-up: first-call overheads
+    bar = tqdm(total=len(prompts) * len(names), desc="eval", disable=not progress)
+    for index, prompt in enumerate(prompts):
+        for method in methods:
+            generator = torch.Generator().manual_seed(runtime.seed + index)
+            bar.set_postfix_str(method.name)
+            if method.build is None:
+                result = plain_generate(lean, prompt, runtime.max_new_tokens, sampling, eos_token_ids, generator)
+            else:
+                result = speculative_generate(lean, drafters[method.name], prompt, runtime.max_new_tokens, sampling,
+                                              eos_token_ids, generator, method.verification)
+            results[method.name].append(result)
+            bar.update()
+        if compare_hf:
+            bar.set_postfix_str("transformers")
+            torch.manual_seed(runtime.seed + index)
+            results["transformers"].append(
+                transformers_generate(target.model, prompt, runtime.max_new_tokens, sampling, eos_token_ids))
+            bar.update()
+    bar.close()
+    reference = [r.tokens for r in results["plain"]] if sampling.greedy else None
+    summaries = {name: summarize(results[name], reference if name != "plain" else None) for name in names}
+    report = _assemble(methods, summaries, runtime, target, head_config, len(prompts), sampling, extra)
+    for name, summary in summaries.items():
+        if summary.get("greedy_identical") is False and name == "transformers":
+            log.warning("transformers generate differs from the lean plain greedy output on prompts %s "
+                        "(fp32 near-ties can flip an argmax; speculative outputs are checked against the lean one)",
+                        summary["mismatched_prompts"])
+        elif summary.get("greedy_identical") is False:
+            log.error("GREEDY MISMATCH: %s differs from plain greedy decoding on prompts %s — a bug in the "
+                      "runtime or drafter", name, summary["mismatched_prompts"])
+    report["files"] = {k: str(v) for k, v in write_report(report, out_dir).items()}
+    return report
+
+
+def _assemble(methods: list[Method], summaries: dict, runtime: RuntimeConfig, target, head_config,
+              num_prompts: int, sampling: SamplingConfig, extra: dict) -> dict:
+    plain = summaries["plain"]["tokens_per_second"]
+    hf = summaries.get("transformers", {}).get("tokens_per_second")
+    rows = []
+    for method in methods[1:]:
+        row = {"name": method.name, "verification": method.verification, "lossy": method.verification == "typical",
+               "sweep": method.sweep, "settings": method.settings, **summaries[method.name]}
+        row["speedup_vs_plain"] = row["tokens_per_second"] / plain if plain else None
+        row["speedup_vs_transformers"] = row["tokens_per_second"] / hf if hf else None
+        rows.append(row)
+    baselines = {"plain": summaries["plain"]}
+    if "transformers" in summaries:
+        baselines["transformers"] = summaries["transformers"]
+        baselines["plain"]["speedup_vs_transformers"] = plain / hf if hf else None
+    fingerprint = target.fingerprint() if hasattr(target, "fingerprint") else {}
+    report = {
+        "target": getattr(target, "name", "?"),
+        "target_fingerprint": fingerprint.get("id") if isinstance(fingerprint, dict) else None,
+        "head": None if head_config is None else {"type": type(head_config).__name__, **_plain(head_config)},
+        "num_prompts": num_prompts,
+        "sampling": asdict(sampling),
+        "runtime": asdict(runtime),
+        "threads": torch.get_num_threads(),
+        "notes": [
+            "tau = tokens committed per target forward, bonus token INCLUDED (plain decoding = 1.0).",
+            "tokens/s = decode throughput after the first token (prefill excluded), summed over prompts.",
+            "speedups are ratios of tokens/s measured in this run, methods interleaved per prompt.",
+            "acceptance_per_depth[d-1] = fraction of steps that accepted at least d drafted tokens.",
+            "verification 'typical' (Medusa typical acceptance) is LOSSY; all others are lossless.",
+        ],
+        "baselines": baselines,
+        "drafters": rows,
+        "recommended_runtime": _recommended(rows, runtime, extra),
+        **extra,
+    }
+    return report
+
+
+def _plain(config) -> dict:
+    values = asdict(config)
+    values.pop("target_fingerprint", None)
+    return values
+
+
+def _recommended(rows: list[dict], runtime: RuntimeConfig, extra: dict) -> dict:
+    """Eval's measured settings in the keys `export` carries into manifests."""
+    trees = [r for r in rows if r["name"].startswith("eagle_tree")]
+    if trees:
+        best = max(trees, key=lambda r: r["tokens_per_second"])
+        return {"top_k": runtime.tree_top_k, "depth": runtime.tree_depth,
+                "total_tokens": best["settings"]["total_tokens"], "chain_depth": runtime.chain_depth}
+    if "medusa" in extra:
+        return {"medusa_choices": extra["medusa"]["choices"]}
+    return {}

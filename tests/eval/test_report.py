@@ -1,0 +1,64 @@
+"""Report writing from a hand-made report dict: files, table content, W&B logging with a stub."""
+import json
+import sys
+import types
+
+from eval.report import log_to_wandb, markdown_table, write_report
+
+
+def _row(name, total_tokens=None, tau=2.0, tps=50.0, identical=True, lossy=False, sweep=False):
+    settings = {"total_tokens": total_tokens} if total_tokens else {}
+    return {"name": name, "verification": "typical" if lossy else "lossless", "lossy": lossy, "sweep": sweep,
+            "settings": settings, "tau": tau, "acceptance_per_depth": [0.8, 0.5, 0.2], "mean_tree_size": 7.0,
+            "draft_ms_per_step": 5.0, "verify_ms_per_step": 40.0, "tokens_per_second": tps,
+            "speedup_vs_plain": tps / 30.0, "speedup_vs_transformers": tps / 10.0, "greedy_identical": identical}
+
+
+def report(**overrides):
+    values = {
+        "target": "tiny", "num_prompts": 2, "threads": 2, "sampling": {"temperature": 0.0},
+        "runtime": {"max_new_tokens": 16},
+        "notes": ["tau = tokens committed per target forward, bonus token INCLUDED"],
+        "baselines": {"plain": {"tokens_per_second": 30.0, "speedup_vs_transformers": 3.0},
+                      "transformers": {"tokens_per_second": 10.0, "greedy_identical": True}},
+        "drafters": [_row("eagle_tree", 16, tau=2.6, tps=60.0), _row("eagle_tree@4", 4, tau=1.8, tps=45.0, sweep=True),
+                     _row("eagle_chain", tau=2.1, tps=52.0), _row("medusa", lossy=True, identical=None)],
+    }
+    values.update(overrides)
+    return values
+
+
+def test_markdown_table_lists_every_method_with_ratios():
+    text = markdown_table(report())
+    assert "| eagle_tree | lossless | total_tokens=16 | 2.60 |" in text
+    assert "| plain (lean forward) |" in text and "| transformers generate |" in text
+    assert "typical (LOSSY)" in text and "bonus token INCLUDED" in text
+    assert "| 2.00 | 6.00 | yes |" in text  # eagle_tree: 60/30 vs plain, 60/10 vs transformers
+    assert "MISMATCH" not in text
+
+
+def test_mismatch_is_loud():
+    bad = report(drafters=[_row("eagle_chain", identical=False)])
+    assert "**GREEDY MISMATCH against plain decoding: eagle_chain**" in markdown_table(bad)
+
+
+def test_write_report_files(tmp_path):
+    paths = write_report(report(), tmp_path / "out")
+    assert json.loads(paths["json"].read_text())["drafters"][0]["tau"] == 2.6
+    for kind in ("acceptance_plot", "speedup_plot"):
+        assert paths[kind].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # No eagle_tree rows: the speedup plot still renders (with a note).
+    write_report(report(drafters=[_row("eagle_chain")]), tmp_path / "chain_only")
+    assert (tmp_path / "chain_only" / "speedup_vs_tree_size.png").is_file()
+
+
+def test_wandb_logging_only_with_an_active_run(tmp_path, monkeypatch):
+    logged = []
+    stub = types.SimpleNamespace(run=None, log=logged.append, Image=lambda path: ("image", path),
+                                 Table=lambda columns: types.SimpleNamespace(rows=[], add_data=lambda *r: None))
+    monkeypatch.setitem(sys.modules, "wandb", stub)
+    paths = write_report(report(), tmp_path)
+    assert logged == []
+    stub.run = object()
+    assert log_to_wandb(report(), paths)
+    assert logged[0]["eval/eagle_tree/tau"] == 2.6 and logged[0]["eval/plain_tokens_per_second"] == 30.0

@@ -1,0 +1,65 @@
+"""`evaluate` end to end on a tiny target: every drafter, both baselines, the files."""
+import json
+
+import pytest
+import torch
+
+from eval.config import RuntimeConfig
+from eval.run import build_methods, evaluate
+from eval.model import LeanLlama
+from heads.eagle import EagleConfig, EagleHead, init_from_target
+from heads.medusa import MedusaConfig, MedusaHeads
+from tests.tiny import tiny_target
+
+RUNTIME = RuntimeConfig(max_new_tokens=12, chain_depth=3, tree_top_k=2, tree_depth=3, tree_total_tokens=6,
+                        tree_sweep=[4, 6, 8], medusa_choices="auto", threads=1)
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_target()
+
+
+def prompts(count: int = 3):
+    generator = torch.Generator().manual_seed(7)
+    return [torch.randint(3, 128, (6,), generator=generator).tolist() for _ in range(count)]
+
+
+def test_evaluate_eagle_end_to_end(target, tmp_path):
+    head = init_from_target(EagleHead(EagleConfig.from_target(target)), target).eval()
+    report = evaluate(target, prompts(), ["eagle_tree", "eagle_chain", "prompt_lookup", "self_speculation"],
+                      RUNTIME, head=head, head_config=head.config, out_dir=tmp_path, progress=False)
+    names = [row["name"] for row in report["drafters"]]
+    assert names == ["eagle_tree", "eagle_tree@4", "eagle_tree@8", "eagle_chain", "prompt_lookup", "self_speculation"]
+    for row in report["drafters"]:
+        assert row["greedy_identical"] is True, row["name"]
+        assert row["tau"] >= 1.0 and row["tokens_per_second"] > 0 and row["speedup_vs_transformers"] > 0
+        assert row["prompts"] == 3 and row["lossy"] is False
+    assert report["baselines"]["transformers"]["tokens_per_second"] > 0
+    assert report["recommended_runtime"]["total_tokens"] in (4, 6, 8)
+    saved = json.loads((tmp_path / "report.json").read_text())
+    assert saved["drafters"][0]["name"] == "eagle_tree"
+    assert "bonus token INCLUDED" in (tmp_path / "report.md").read_text()
+    assert (tmp_path / "acceptance_per_depth.png").stat().st_size > 1000
+    assert (tmp_path / "speedup_vs_tree_size.png").stat().st_size > 1000
+
+
+def test_evaluate_medusa_with_auto_tree_and_lossy_typical(target, tmp_path):
+    heads = MedusaHeads(MedusaConfig.from_target(target, num_heads=3, share_lm_head=True)).eval()
+    runtime = RuntimeConfig(**{**RUNTIME.__dict__, "temperature": 0.7, "typical_acceptance": True,
+                               "compare_transformers": False})
+    report = evaluate(target, prompts(2), ["medusa"], runtime, head=heads, head_config=heads.config,
+                      out_dir=tmp_path, progress=False)
+    (row,) = report["drafters"]
+    assert row["lossy"] is True and "greedy_identical" not in row
+    assert 1 <= len(report["medusa"]["choices"]) <= 32
+    assert "typical (LOSSY)" in (tmp_path / "report.md").read_text()
+    assert report["recommended_runtime"] == {"medusa_choices": report["medusa"]["choices"]}
+
+
+def test_head_drafters_are_skipped_without_a_head(target):
+    lean = LeanLlama.from_hf(target.model, max_seq_len=64)
+    methods, _ = build_methods(["eagle_tree", "medusa", "prompt_lookup"], RUNTIME, lean, head=None)
+    assert [m.name for m in methods] == ["plain", "prompt_lookup"]
+    with pytest.raises(ValueError, match="unknown drafter"):
+        build_methods(["eagle_forest"], RUNTIME, lean)
