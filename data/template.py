@@ -29,7 +29,12 @@ class TemplateMismatch(ValueError):
 
 
 def render(tokenizer, messages: list[dict], add_generation_prompt: bool = False) -> str:
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+    from jinja2 import TemplateError
+
+    try:
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+    except TemplateError as error:  # e.g. a template that demands alternating user/assistant roles
+        raise TemplateMismatch(f"the chat template refused the conversation: {error}") from None
 
 
 def reply_spans(tokenizer, messages: list[dict], full: str, char_limit: int | None = None) -> list[tuple[int, int]]:

@@ -126,3 +126,23 @@ def test_load_prompt_file(tmp_path, smollm2_tokenizer):
     path.write_text(json.dumps({"messages": [{"role": "narrator", "content": "x"}]}) + "\n")
     with pytest.raises(ValueError, match="line 1"):
         load_prompt_file(path, smollm2_tokenizer)
+
+
+def test_template_refusals_are_counted_or_name_the_record(tmp_path, smollm2_tokenizer):
+    import copy
+
+    tokenizer = copy.deepcopy(smollm2_tokenizer)
+    tokenizer.chat_template = ("{% for m in messages %}{% if 'refuse' in m['content'] %}{{ raise_exception('no') }}"
+                               "{% endif %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}"
+                               "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+    records = [{"id": f"ok{i}", "messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}
+               for i in range(6)]
+    records.append({"id": "x1", "messages": [{"role": "user", "content": "please refuse"},
+                                             {"role": "assistant", "content": "a"}]})
+    path = tmp_path / "data.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in records))
+    config = _config(tmp_path, path, eval_fraction=0.01)
+    data = prepare_data(config, tokenizer)
+    assert len(data.train) == 6 and data.stats["train"]["skipped"] == {"template_mismatch": 1}
+    with pytest.raises(ValueError, match="id='x1'.*refused"):
+        prepare_data(_config(tmp_path, path, eval_fraction=0.01, skip_bad_records=False), tokenizer)

@@ -75,3 +75,14 @@ def test_template_that_is_not_incremental_is_refused(smollm2_tokenizer):
     assert render(tokenizer, CONVERSATION[1:3]).endswith("It is 4. [END]\n")
     with pytest.raises(TemplateMismatch, match="turn 2"):
         tokenize_with_mask(tokenizer, CONVERSATION)
+
+
+@pytest.mark.integration
+def test_template_errors_become_template_mismatch(smollm2_tokenizer):
+    import copy
+
+    tokenizer = copy.deepcopy(smollm2_tokenizer)
+    tokenizer.chat_template = ("{% for m in messages %}{% if m['role'] == 'system' %}"
+                               "{{ raise_exception('no system role') }}{% endif %}{{ m['content'] }}{% endfor %}")
+    with pytest.raises(TemplateMismatch, match="no system role"):
+        tokenize_with_mask(tokenizer, CONVERSATION)
