@@ -1,13 +1,35 @@
 """Process-group and precision setup: the one place that builds the `Accelerator`.
 
 The training loop calls `make_accelerator` and never touches torch.distributed directly, so the
-same loop runs in one CPU process, under DDP, or under DeepSpeed.
+same loop runs in one CPU process, under DDP (torchrun), or under DeepSpeed ZeRO-2/3. Batch size,
+accumulation, precision and clipping live once in `TrainerConfig`; `deepspeed_config` writes them
+into the DeepSpeed dict handed to accelerate, so the two can never disagree.
+
+Traps measured on a CPU machine, each refused or avoided here:
+- `torchrun` + a plain `Accelerator()` on CPU gives N unsynchronised single-process runs
+  (accelerate only forms a CPU process group with `cpu=True`): `check_world` refuses.
+- `accelerate launch --cpu --num_processes 2` starts ONE process: `check_world` refuses.
+- DeepSpeed under accelerate on CPU needs the gloo backend passed explicitly; without it
+  accelerate counts one process and DeepSpeed fails its batch-size assertion.
+- DeepSpeed JIT-compiles its CPU shared-memory all-reduce op (~100 s) at the first
+  `deepspeed.initialize` of a fresh machine; gloo does the same job, so the op is switched off.
+  Its optimizer section would build FusedAdam (~100 s): the loop's torch AdamW is used instead.
 """
 from __future__ import annotations
+
+import logging
+import os
+import socket
 
 import torch
 
 from train.config import DeepSpeedConfig, TrainerConfig
+
+log = logging.getLogger(__name__)
+
+
+class LaunchError(RuntimeError):
+    """The processes that started are not the processes that were asked for."""
 
 
 def resolve_mixed_precision(trainer: TrainerConfig) -> str:
@@ -16,13 +38,275 @@ def resolve_mixed_precision(trainer: TrainerConfig) -> str:
     return "bf16" if torch.cuda.is_available() else "no"
 
 
-def make_accelerator(trainer: TrainerConfig, deepspeed: DeepSpeedConfig):
-    from accelerate import Accelerator
+def deepspeed_config(trainer: TrainerConfig, deepspeed: DeepSpeedConfig, world_size: int) -> dict:
+    """The DeepSpeed JSON for this job, every shared value taken from `trainer`.
 
-    if deepspeed.enabled:
-        raise NotImplementedError("DeepSpeed setup lands with the scale-out work")
-    return Accelerator(
-        gradient_accumulation_steps=trainer.grad_accumulation,
-        mixed_precision=resolve_mixed_precision(trainer),
-        cpu=not torch.cuda.is_available(),
+    No optimizer or scheduler section: the loop's torch AdamW and schedule are wrapped by ZeRO
+    (a DeepSpeed optimizer section would JIT-build FusedAdam / CPUAdam).
+    """
+    precision = resolve_mixed_precision(trainer)
+    zero: dict = {"stage": deepspeed.zero_stage, "contiguous_gradients": True, "overlap_comm": torch.cuda.is_available()}
+    if deepspeed.zero_stage == 3:
+        zero.update(stage3_gather_16bit_weights_on_model_save=True)
+    else:  # ZeRO-1/2 checkpoints that load into a different number of processes
+        zero["elastic_checkpoint"] = True
+    if deepspeed.offload_optimizer:
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": torch.cuda.is_available()}
+    config = {
+        "train_micro_batch_size_per_gpu": trainer.batch_size,
+        "gradient_accumulation_steps": trainer.grad_accumulation,
+        "train_batch_size": trainer.batch_size * trainer.grad_accumulation * world_size,
+        "gradient_clipping": trainer.max_grad_norm,
+        "zero_optimization": zero,
+        "bf16": {"enabled": precision == "bf16"},
+        "fp16": {"enabled": precision == "fp16", "initial_scale_power": 16},
+        "zero_allow_untested_optimizer": True,
+        "zero_force_ds_cpu_optimizer": False,  # offload keeps the torch optimizer: no CPUAdam build
+        "steps_per_print": 1 << 30,
+        "wall_clock_breakdown": False,
+    }
+    return config
+
+
+def load_deepspeed_file(path: str, trainer: TrainerConfig, world_size: int) -> dict:
+    """An explicit DeepSpeed JSON; its batch, accumulation and clip must match `trainer`."""
+    import json
+
+    with open(path) as handle:
+        config = json.load(handle)
+    expected = {
+        "train_micro_batch_size_per_gpu": trainer.batch_size,
+        "gradient_accumulation_steps": trainer.grad_accumulation,
+        "train_batch_size": trainer.batch_size * trainer.grad_accumulation * world_size,
+        "gradient_clipping": trainer.max_grad_norm,
+    }
+    for key, value in expected.items():
+        if key in config and config[key] not in ("auto", value):
+            raise ValueError(f"deepspeed.config_file {path}: {key}={config[key]} but the trainer config gives {value}; "
+                             "set it once (trainer.*) and use \"auto\" in the file")
+        config[key] = value
+    return config
+
+
+def avoid_deepspeed_jit() -> None:
+    """On CPU, mark DeepSpeed's shared-memory comm op unavailable so no process JIT-compiles it
+    (~100 s on a fresh machine); collectives then go through gloo. No-op on CUDA (NCCL)."""
+    if torch.cuda.is_available():
+        return
+    import deepspeed.ops
+
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+
+
+def launched_world_size() -> int:
+    """Processes the launcher asked for: WORLD_SIZE (torchrun, deepspeed, accelerate multi-process)."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def accelerate_num_processes(argv: list[str]) -> int | None:
+    """--num_processes of an `accelerate launch` command line, or None if argv is not one."""
+    if not any(arg.endswith("accelerate") for arg in argv) or "launch" not in argv:
+        return None
+    for index, arg in enumerate(argv):
+        if arg.startswith(("--num_processes=", "--num-processes=")):
+            return int(arg.split("=", 1)[1])
+        if arg in ("--num_processes", "--num-processes") and index + 1 < len(argv):
+            return int(argv[index + 1])
+    return None
+
+
+def _parent_argv() -> list[str]:
+    try:
+        with open(f"/proc/{os.getppid()}/cmdline", "rb") as handle:
+            return handle.read().decode(errors="replace").split("\0")
+    except OSError:
+        return []
+
+
+def check_world(num_processes: int) -> None:
+    """Refuse a run whose process group is not what the launcher asked for."""
+    asked = launched_world_size()
+    if asked != num_processes:
+        raise LaunchError(
+            f"the launcher started WORLD_SIZE={asked} processes but the accelerator formed a group of "
+            f"{num_processes}: the processes would train unsynchronised copies. Build the accelerator "
+            "with train.distributed.make_accelerator (it forms a gloo group on CPU)")
+    # accelerate's single-process launcher sets no WORLD_SIZE: read its command line instead
+    accelerate_asked = accelerate_num_processes(_parent_argv()) if "WORLD_SIZE" not in os.environ else None
+    if accelerate_asked and accelerate_asked > num_processes:
+        raise LaunchError(
+            f"`accelerate launch --num_processes {accelerate_asked}` started {num_processes} process "
+            "(on CPU accelerate ignores --num_processes without --multi_gpu, and --cpu disables that); "
+            "use scripts/launch_single_node.sh or torchrun --nproc_per_node N")
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _single_process_env() -> None:
+    """DeepSpeed without a launcher: a group of one, as torchrun would describe it."""
+    for key, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_WORLD_SIZE", "1"),
+                       ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", str(_free_port()))):
+        os.environ.setdefault(key, value)
+
+
+def make_accelerator(trainer: TrainerConfig, deepspeed: DeepSpeedConfig):
+    """The Accelerator for this process: plain (one process), DDP (torchrun, gloo on CPU, NCCL on
+    GPU) or DeepSpeed ZeRO; refuses a launch whose group does not match WORLD_SIZE.
+
+    Pass only the heads and their optimizer to `accelerator.prepare`, never the frozen target.
+    """
+    from accelerate import Accelerator
+    from accelerate.utils import DeepSpeedPlugin, InitProcessGroupKwargs
+
+    precision = resolve_mixed_precision(trainer)
+    on_gpu = torch.cuda.is_available()
+    if not deepspeed.enabled:
+        accelerator = Accelerator(
+            gradient_accumulation_steps=trainer.grad_accumulation, mixed_precision=precision, cpu=not on_gpu,
+        )
+        check_world(accelerator.num_processes)
+        return accelerator
+    _single_process_env()
+    avoid_deepspeed_jit()
+    world = launched_world_size()
+    if deepspeed.config_file:
+        config = load_deepspeed_file(deepspeed.config_file, trainer, world)
+    else:
+        config = deepspeed_config(trainer, deepspeed, world)
+    # zero3_init_flag=False: transformers would otherwise partition every model loaded after this
+    # point under ZeRO-3, the frozen target included.
+    plugin = DeepSpeedPlugin(hf_ds_config=config, zero3_init_flag=False)
+    handlers = [] if on_gpu else [InitProcessGroupKwargs(backend="gloo")]
+    accelerator = Accelerator(
+        gradient_accumulation_steps=trainer.grad_accumulation, mixed_precision=precision,
+        deepspeed_plugin=plugin, kwargs_handlers=handlers,
     )
+    check_world(accelerator.num_processes)
+    log.info("DeepSpeed ZeRO-%d on %d process(es), %s", deepspeed.zero_stage, accelerator.num_processes, precision)
+    return accelerator
+
+
+# -- world-size independent training state ---------------------------------------------------------
+# ZeRO checkpoints are partitioned by process count and DeepSpeed refuses to load one into another
+# count without a universal-checkpoint conversion. The heads are small next to the target, so the
+# loop's checkpoint holds the full fp32 weights and Adam moments instead: gathered from any layout,
+# restored into any layout (1 process, DDP, ZeRO-1/2), with the same file for all of them.
+
+def _is_deepspeed(accelerator) -> bool:
+    from accelerate.utils import DistributedType
+
+    return accelerator.distributed_type == DistributedType.DEEPSPEED
+
+
+def _trained(accelerator, model) -> list[tuple[str, torch.nn.Parameter]]:
+    return [(name, p) for name, p in accelerator.unwrap_model(model).named_parameters() if p.requires_grad]
+
+
+def _zero_optimizer(optimizer):
+    zero = getattr(optimizer, "optimizer", optimizer)  # accelerate's wrapper -> DeepSpeed's ZeRO optimizer
+    if not hasattr(zero, "single_partition_of_fp32_groups"):
+        raise NotImplementedError("world-size independent state covers ZeRO stages 1 and 2; for ZeRO-3 "
+                                  "resume with the same number of processes (accelerator.save_state)")
+    return zero
+
+
+def gather_head_state(accelerator, model, optimizer) -> dict[str, torch.Tensor]:
+    """Full fp32 weights and optimizer moments of the trained parameters, by name:
+    `param.<name>`, `<moment>.<name>` (exp_avg, exp_avg_sq) and `step`. Collective under ZeRO:
+    every process calls it; the result is the same on all of them."""
+    state: dict[str, torch.Tensor] = {}
+    if _is_deepspeed(accelerator):
+        from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+
+        zero = _zero_optimizer(optimizer)
+        base_state = next(iter(zero.optimizer.state.values()), {})
+        keys = [k for k, v in base_state.items() if torch.is_tensor(v) and v.dim() > 0]
+        for name, p in _trained(accelerator, model):
+            state[f"param.{name}"] = safe_get_full_fp32_param(p).detach().cpu().float()
+            for key in keys:
+                state[f"{key}.{name}"] = safe_get_full_optimizer_state(p, key).detach().cpu().float()
+        step = base_state.get("step", 0)
+    else:
+        base = getattr(optimizer, "optimizer", optimizer)
+        step = 0
+        for name, p in _trained(accelerator, model):
+            state[f"param.{name}"] = p.detach().cpu().float().clone()
+            for key, value in base.state.get(p, {}).items():
+                if key == "step":
+                    step = value
+                elif torch.is_tensor(value) and value.shape == p.shape:
+                    state[f"{key}.{name}"] = value.detach().cpu().float().clone()
+    state["step"] = torch.tensor(float(step))
+    return state
+
+
+def _moments(state: dict[str, torch.Tensor], name: str) -> dict[str, torch.Tensor]:
+    suffix = "." + name
+    return {key[: -len(suffix)]: value for key, value in state.items()
+            if key.endswith(suffix) and not key.startswith("param.")}
+
+
+@torch.no_grad()
+def restore_head_state(accelerator, model, optimizer, state: dict[str, torch.Tensor]) -> None:
+    """Load what `gather_head_state` returned, whatever process count or ZeRO stage saved it."""
+    params = _trained(accelerator, model)
+    missing = [name for name, _ in params if f"param.{name}" not in state]
+    if missing:
+        raise KeyError(f"head state lacks {missing[:4]}{'...' if len(missing) > 4 else ''}")
+    step = state["step"].float()
+    if not _is_deepspeed(accelerator):
+        base = getattr(optimizer, "optimizer", optimizer)
+        for name, p in params:
+            p.copy_(state[f"param.{name}"].to(p.dtype))
+            moments = _moments(state, name)
+            if moments:
+                base.state[p] = {"step": step.clone(), **{k: v.to(p.device).clone() for k, v in moments.items()}}
+        return
+    zero = _zero_optimizer(optimizer)
+    by_id = {id(p): name for name, p in params}
+    for group_index, flat in enumerate(zero.single_partition_of_fp32_groups):
+        flat_state = zero.optimizer.state[flat]
+        for lp in zero.bit16_groups[group_index]:
+            name = by_id.get(id(lp))
+            if name is None:
+                continue
+            full = state[f"param.{name}"]
+            lp.copy_(full.to(lp.dtype))  # ZeRO-1/2: every process holds the whole low-precision weight
+            mapping = getattr(lp, "_hp_mapping", None)
+            if mapping is None:  # this process's partition holds no piece of lp
+                continue
+            lp_at, hp_at = mapping.lp_fragment_address, mapping.hp_fragment_address
+            piece = lambda t: t.flatten().narrow(0, lp_at.start, lp_at.numel)  # noqa: E731
+            mapping.hp_fragment.copy_(piece(full))
+            for key, value in _moments(state, name).items():
+                if key not in flat_state:
+                    flat_state[key] = torch.zeros_like(flat)
+                flat_state[key].narrow(0, hp_at.start, hp_at.numel).copy_(piece(value))
+        if flat_state:
+            flat_state["step"] = step.clone()
+
+
+def save_head_state(path: str, accelerator, model, optimizer) -> None:
+    """Gather (all processes) and write the head state as safetensors on the main process,
+    atomically (temp + rename)."""
+    from safetensors.torch import save_file
+
+    state = gather_head_state(accelerator, model, optimizer)
+    if accelerator.is_main_process:
+        tmp = f"{path}.tmp-{os.getpid()}"
+        save_file({k: v.contiguous() for k, v in state.items()}, tmp)
+        os.replace(tmp, path)
+    accelerator.wait_for_everyone()
+
+
+def load_head_state(path: str, accelerator, model, optimizer) -> int:
+    """Read a `save_head_state` file into the prepared model/optimizer; returns the saved step."""
+    from safetensors.torch import load_file
+
+    state = load_file(path)
+    restore_head_state(accelerator, model, optimizer, state)
+    return int(state["step"].item())
