@@ -10,7 +10,8 @@ import torch
 def collate(rows: list[dict], pad_id: int) -> dict[str, torch.Tensor]:
     """Right-pad rows with `input_ids` / `loss_mask` to the longest row. Returns int64 tensors
     input_ids (B, T), attention_mask (B, T) and loss_mask (B, T); padding has attention_mask 0
-    and loss_mask 0."""
+    and loss_mask 0, so any pad_id works. loss_mask marks tokens to predict (labels): score the
+    logits at t-1 against input_ids[t] where loss_mask[t] = 1."""
     if not rows:
         raise ValueError("collate: empty batch")
     longest = max(len(row["input_ids"]) for row in rows)

@@ -112,13 +112,11 @@ def tokenize_conversations(conversations, tokenizer, config: DataConfig, fingerp
 
 
 def token_stats(rows) -> dict:
-    lengths = list(rows["length"]) if len(rows) else []
+    lengths = list(rows["length"])
     tokens = sum(lengths)
-    return {"records": len(rows), "tokens": tokens,
-            "assistant_tokens": sum(rows["assistant_tokens"]) if len(rows) else 0,
+    return {"records": len(rows), "tokens": tokens, "assistant_tokens": sum(rows["assistant_tokens"]),
             "mean_length": round(tokens / len(lengths), 1) if lengths else 0.0,
-            "max_length": max(lengths, default=0),
-            "truncated": sum(rows["truncated"]) if len(rows) else 0}
+            "max_length": max(lengths, default=0), "truncated": sum(rows["truncated"])}
 
 
 def split_conversations(conversations, config: DataConfig):
