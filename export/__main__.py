@@ -58,7 +58,8 @@ def run_export(cfg: ExportConfig) -> dict[str, Path]:
     if runtime:
         extra["runtime"] = runtime
     if cfg.format is None:
-        return export_all(head, config, cfg.formats, cfg.out, target, cfg.dtype, cfg.native_dtype, extra)
+        return export_all(head, config, cfg.formats, cfg.out, target, cfg.dtype, cfg.native_dtype, extra,
+                          cfg.strict_fingerprint)
     dtype = (cfg.native_dtype or cfg.dtype) if cfg.format == "native" else cfg.dtype
     return {cfg.format: export_head(head, config, cfg.format, cfg.out, target, dtype, extra, cfg.strict_fingerprint)}
 

@@ -16,6 +16,7 @@ from heads.io import build_buffers, build_head, check_against_target, config_fro
 
 _REQUIRED = ("format", "format_version", "head_type", "dtype", "head_config", "base_model", "files", "runtime",
              "feature_layer")
+_OBJECTS = ("head_config", "base_model", "files", "runtime", "feature_layer")
 
 
 class ExportValidationError(ExportError):
@@ -35,6 +36,8 @@ def read_manifest(folder: str | os.PathLike) -> dict:
     except json.JSONDecodeError as error:
         raise ExportValidationError(folder, [f"{MANIFEST_NAME}: not valid JSON ({error})"]) from None
     missing = [f"{MANIFEST_NAME}.{key}: missing" for key in _REQUIRED if key not in manifest]
+    missing += [f"{MANIFEST_NAME}.{key}: {type(manifest[key]).__name__}, expected an object"
+                for key in _OBJECTS if key in manifest and not isinstance(manifest[key], dict)]
     if missing:
         raise ExportValidationError(folder, missing)
     if manifest["format_version"] != EXPORT_FORMAT_VERSION:

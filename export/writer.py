@@ -132,19 +132,23 @@ def export_head(head: nn.Module, config, fmt: str, out_dir: str | os.PathLike, t
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     log.info("exported %s head as %s (%s) to %s", kind, fmt, dtype, out)
-    log_artifact(out, manifest)
+    try:
+        log_artifact(out, manifest)
+    except Exception as error:  # the export is in place and valid; W&B trouble must not undo it
+        log.warning("export %s not logged to W&B: %s", out, error)
     return out
 
 
 def export_all(head: nn.Module, config, formats: list[str], out_root: str | os.PathLike, target,
                dtype: str = "bfloat16", native_dtype: str | None = "float32",
-               manifest_extra: dict | None = None) -> dict[str, Path]:
+               manifest_extra: dict | None = None, strict_fingerprint: bool = True) -> dict[str, Path]:
     """Export every format in `formats` (`engine` = every engine layout of the head type) to
     `out_root/<format>`; native uses `native_dtype` (None: `dtype`) so training can resume from it."""
     paths = {}
     for fmt in resolve_formats(formats, head_type(config)):
         fmt_dtype = (native_dtype or dtype) if fmt == "native" else dtype
-        paths[fmt] = export_head(head, config, fmt, Path(out_root) / fmt, target, fmt_dtype, manifest_extra)
+        paths[fmt] = export_head(head, config, fmt, Path(out_root) / fmt, target, fmt_dtype, manifest_extra,
+                                 strict_fingerprint)
     return paths
 
 
