@@ -63,3 +63,14 @@ def test_head_drafters_are_skipped_without_a_head(target):
     assert [m.name for m in methods] == ["plain", "prompt_lookup"]
     with pytest.raises(ValueError, match="unknown drafter"):
         build_methods(["eagle_forest"], RUNTIME, lean)
+
+
+def test_eval_entry_composes_into_dataclasses():
+    from eval.__main__ import compose_eval
+
+    cfg = compose_eval(["runtime.drafters=[prompt_lookup]", "runtime.threads=2", "head=some/dir"])
+    assert cfg.runtime.drafters == ["prompt_lookup"] and cfg.runtime.threads == 2
+    assert cfg.model.name_or_path.startswith("embedded:") and cfg.data.source.startswith("embedded:")
+    assert cfg.head == "some/dir" and cfg.out == "runs/eval" and cfg.logger["kind"] == "none"
+    with pytest.raises(Exception, match="tree_width"):
+        compose_eval(["runtime.tree_width=3"])

@@ -1,0 +1,119 @@
+"""`python -m eval [head=DIR] [runtime.drafters=[...]] [runtime.KEY=...] [model=...] [prompts_file=...] [out=DIR]`
+
+Measures drafters on held-out ShareGPT prompts (or a JSONL of prompts) and writes report.json,
+report.md and plots to `out`. `head` is a head checkpoint or an export folder; without it only the
+head-free drafters run (prompt_lookup, self_speculation). Hydra and OmegaConf stop here.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import hydra
+from hydra.core.config_store import ConfigStore
+from hydra.errors import HydraException
+from omegaconf import DictConfig, OmegaConf
+
+from data.config import DataConfig
+from eval.config import RuntimeConfig
+from heads.target import TargetConfig
+
+CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
+log = logging.getLogger("eval")
+
+
+@dataclass
+class EvalModelConfig(TargetConfig):
+    arch: Any = None  # the model group's shape check (used by training); ignored here
+
+
+@dataclass
+class EvalEntryConfig:
+    model: EvalModelConfig = field(default_factory=EvalModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
+    logger: Any = None  # the logger group: {kind, project, entity, mode, run_name, tags}
+    head: str | None = None  # head checkpoint or export folder; None: head-free drafters only
+    strict_fingerprint: bool = True
+    prompts_file: str | None = None
+    out: str = "runs/eval"
+    progress: bool = True
+
+
+ConfigStore.instance().store(name="eval_schema", node=EvalEntryConfig)
+
+
+def compose_eval(overrides: list[str] | None = None) -> EvalEntryConfig:
+    """Compose conf/eval.yaml with command-line style overrides into the entry's dataclass."""
+    from hydra import compose, initialize_config_dir
+
+    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+        return OmegaConf.to_object(compose(config_name="eval", overrides=list(overrides or [])))
+
+
+def load_prompts(cfg: EvalEntryConfig, tokenizer) -> list[list[int]]:
+    from data.prompts import eval_prompts, load_prompt_file
+
+    runtime = cfg.runtime
+    path = cfg.prompts_file or runtime.prompts_file
+    if path:
+        prompts = load_prompt_file(path, tokenizer, runtime.max_prompt_tokens)[: runtime.num_prompts]
+    else:
+        prompts = eval_prompts(cfg.data, tokenizer, runtime.num_prompts, runtime.max_prompt_tokens)
+    return [p["prompt_ids"] for p in prompts]
+
+
+def run(cfg: EvalEntryConfig) -> dict:
+    from eval.run import HEAD_DRAFTERS, evaluate
+    from heads.target import load_target
+
+    runtime = cfg.runtime
+    target = load_target(TargetConfig(**{f.name: getattr(cfg.model, f.name) for f in dataclasses.fields(TargetConfig)}))
+    head = head_config = None
+    drafters = list(runtime.drafters)
+    if cfg.head:
+        from export import load_export
+
+        head, head_config, _ = load_export(cfg.head, target, cfg.strict_fingerprint)
+        head = head.to(target.model.device).eval()
+    else:
+        kept = [d for d in drafters if d not in HEAD_DRAFTERS]
+        if len(kept) < len(drafters):
+            kept += [d for d in ("prompt_lookup", "self_speculation") if d not in kept]
+            log.info("no head=: running head-free drafters only: %s", kept)
+        drafters = kept
+    prompts = load_prompts(cfg, target.tokenizer)
+    logger = cfg.logger or {}
+    if logger.get("kind") == "wandb" and logger.get("mode") != "disabled":
+        import wandb
+
+        wandb.init(project=logger.get("project"), entity=logger.get("entity"), mode=logger.get("mode"),
+                   name=logger.get("run_name"), tags=logger.get("tags"), job_type="eval",
+                   config={"runtime": dataclasses.asdict(runtime), "head": cfg.head})
+    report = evaluate(target, prompts, drafters, runtime, head=head, head_config=head_config, out_dir=cfg.out,
+                      progress=cfg.progress)
+    print(Path(report["files"]["markdown"]).read_text())
+    return report
+
+
+@hydra.main(config_path=CONF_DIR, config_name="eval", version_base="1.3")
+def main(cfg: DictConfig) -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", force=True)
+    try:
+        run(OmegaConf.to_object(cfg))
+    except (ValueError, FileNotFoundError) as error:
+        print(f"eval error: {error}", file=sys.stderr)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    sys.argv += ["hydra.run.dir=.", "hydra.output_subdir=null", "hydra/job_logging=none", "hydra/hydra_logging=none"]
+    try:
+        main()
+    except HydraException as error:
+        print(f"config error: {error}", file=sys.stderr)
+        sys.exit(2)
