@@ -187,7 +187,7 @@ A speculative-decoding draft head trained by specheads on the frozen target `{ba
 {serve_command(manifest)}
 ```
 
-Recommended settings ({manifest['runtime']['source']}): `{json.dumps({k: v for k, v in manifest['runtime'].items() if k != 'source'})}`
+Recommended settings, {manifest['runtime']['source']}: `{json.dumps({k: v for k, v in manifest['runtime'].items() if k != 'source'})}`
 
 ## Base model
 

@@ -95,3 +95,18 @@ def test_conf_default_matches_the_dataclass():
     with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
         cfg = compose(config_name="default", overrides=["format=medusa", "out=/tmp/x"])
     assert to_export_config(cfg) == ExportConfig(format="medusa", out="/tmp/x")
+
+
+def test_reexport_keeps_measured_runtime_settings(saved):
+    from export import export_head
+
+    head, config = make_eagle(saved["target"])
+    runtime = {"top_k": 3, "depth": 2, "total_tokens": 7, "chain_depth": 2}
+    first = export_head(head, config, "eagle", saved["root"] / "measured", saved["target"],
+                        manifest_extra={"runtime": runtime})
+    again = run_export(ExportConfig(ckpt=str(first), out=str(saved["root"] / "measured2"), format="eagle_vllm",
+                                    base=saved["base"]))["eagle_vllm"]
+    manifest = json.loads((again / "specheads.json").read_text())
+    assert manifest["runtime"]["source"] == "measured"
+    assert manifest["runtime"]["tree"] == {"top_k": 3, "depth": 2, "total_tokens": 7}
+    assert manifest["runtime"]["vllm"] == {"num_speculative_tokens": 2}
