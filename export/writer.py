@@ -75,19 +75,25 @@ def _auto_notes(fmt_name: str, config, base) -> list[str]:
 
 def _place(tmp: Path, out: Path) -> None:
     """Rename the finished temp folder to `out`, replacing an older export there."""
-    if out.exists():
-        old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
+    if not out.exists():
+        os.replace(tmp, out)
+        _fsync_dir(out.parent)
+        return
+    old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
+    moved = False
+    try:
         os.replace(out, old / out.name)
+        moved = True
         try:
             os.replace(tmp, out)
         except BaseException:
             os.replace(old / out.name, out)  # put the previous export back
-            shutil.rmtree(old, ignore_errors=True)
+            moved = False
             raise
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.replace(tmp, out)
-    _fsync_dir(out.parent)
+        _fsync_dir(out.parent)
+    finally:
+        if not (moved and not out.exists()):  # keep `old` only when it holds the sole copy
+            shutil.rmtree(old, ignore_errors=True)
 
 
 def export_head(head: nn.Module, config, fmt: str, out_dir: str | os.PathLike, target, dtype: str = "bfloat16",
@@ -125,7 +131,7 @@ def export_head(head: nn.Module, config, fmt: str, out_dir: str | os.PathLike, t
         manifest = build_manifest(layout, config, base, target, dtype, files, extra)
         (tmp / README_NAME).write_text(model_card(manifest))
         _write_json(tmp / MANIFEST_NAME, manifest)  # last: a folder without it is not an export
-        validate_export(tmp, None)
+        validate_export(tmp, target)  # also checks the embedding / lm_head copies against the target
         _fsync_dir(tmp)
         _place(tmp, out)
     except BaseException:
