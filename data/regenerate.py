@@ -1,0 +1,159 @@
+"""Self-distillation: rewrite every assistant turn with the target's own reply.
+
+Heads learn to predict the target, so training text the target would have written raises
+acceptance (only ~62% of ShareGPT next tokens are SmolLM2's greedy choice). Conversations are
+taken in batches; turn by turn, each pending assistant turn is replaced by what the target
+generates for the conversation so far (with the earlier turns already regenerated).
+
+Output: ShareGPT-style JSONL shards `regenerated-00000.jsonl` (`{"id", "conversations": [{"from",
+"value"}]}`), each written to a temporary name and renamed, so an interrupted run resumes at the
+first missing shard; rank r of W writes shards r, r+W, ...; `merge_shards` concatenates them into
+`regenerated.jsonl`, which `data.source` can point to.
+
+The generator is a callable so the caller can pass the fast runtime (eval.generate) without data/
+importing eval/; `hf_generate_fn` wraps transformers' `generate`.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+from typing import Callable, Sequence
+
+import torch
+
+from data.config import RegenerateConfig
+from data.template import TemplateMismatch, prompt_ids
+
+log = logging.getLogger(__name__)
+
+# (prompts as token-id lists, max_new_tokens, temperature) -> generated token ids per prompt,
+# without the prompt and cut after the end-of-turn token.
+GenerateFn = Callable[[list[list[int]], int, float], list[list[int]]]
+_FROM = {"system": "system", "user": "human", "assistant": "gpt"}
+
+
+def hf_generate_fn(model, pad_id: int, eos_ids: Sequence[int]) -> GenerateFn:
+    """Batched transformers `generate` (left-padded prompts) as a GenerateFn."""
+    eos = set(eos_ids)
+
+    @torch.no_grad()
+    def generate(prompts: list[list[int]], max_new_tokens: int, temperature: float) -> list[list[int]]:
+        device = next(model.parameters()).device
+        longest = max(len(p) for p in prompts)
+        ids = torch.full((len(prompts), longest), pad_id, dtype=torch.long)  # (B, T) left-padded
+        mask = torch.zeros_like(ids)
+        for b, prompt in enumerate(prompts):
+            ids[b, longest - len(prompt):] = torch.as_tensor(prompt)
+            mask[b, longest - len(prompt):] = 1
+        sampling = {"do_sample": True, "temperature": temperature, "top_k": 0} if temperature > 0 else {"do_sample": False}
+        out = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), max_new_tokens=max_new_tokens,
+                             pad_token_id=pad_id, eos_token_id=sorted(eos) or None, **sampling)
+        replies = []
+        for row in out[:, longest:].tolist():
+            end = next((i for i, token in enumerate(row) if token in eos), None)
+            replies.append(row[:end + 1] if end is not None else row)
+        return replies
+
+    return generate
+
+
+def shard_name(index: int) -> str:
+    return f"regenerated-{index:05d}.jsonl"
+
+
+def _regenerate_batch(records: list[dict], tokenizer, generate_fn: GenerateFn, config: RegenerateConfig,
+                      max_prompt_tokens: int) -> list[dict]:
+    conversations = [[dict(m) for m in r["messages"]] for r in records]
+    cut = [len(c) for c in conversations]  # conversations end here (a prompt grew too long)
+    position = [0] * len(records)
+    while True:
+        pending = []
+        for b, messages in enumerate(conversations):
+            while position[b] < cut[b] and messages[position[b]]["role"] != "assistant":
+                position[b] += 1
+            if position[b] < cut[b]:
+                pending.append(b)
+        if not pending:
+            break
+        prompts, asked = [], []
+        for b in pending:
+            try:
+                prompt = prompt_ids(tokenizer, conversations[b][:position[b]])
+            except TemplateMismatch:
+                prompt = []
+            if not prompt or len(prompt) + config.max_new_tokens > max_prompt_tokens:
+                cut[b] = position[b]  # keep the conversation up to here
+                continue
+            prompts.append(prompt)
+            asked.append(b)
+        for start in range(0, len(prompts), config.batch_size):
+            replies = generate_fn(prompts[start:start + config.batch_size], config.max_new_tokens, config.temperature)
+            for b, reply in zip(asked[start:start + config.batch_size], replies):
+                conversations[b][position[b]]["content"] = tokenizer.decode(reply, skip_special_tokens=True).strip()
+                position[b] += 1
+    out = []
+    for record, messages, end in zip(records, conversations, cut):
+        kept = messages[:end]
+        while kept and kept[-1]["role"] != "assistant":  # a question left without its reply
+            kept.pop()
+        if kept:
+            out.append({"id": record["id"], "conversations": [{"from": _FROM[m["role"]], "value": m["content"]}
+                                                              for m in kept]})
+    return out
+
+
+def regenerate(records: Sequence[dict], tokenizer, generate_fn: GenerateFn, output_dir: str | os.PathLike,
+               config: RegenerateConfig, max_prompt_tokens: int = 2048, rank: int = 0, world_size: int = 1,
+               seed: int = 0, progress: bool = True) -> dict:
+    """Regenerate the assistant turns of normalised records (`{"id", "messages": [{"role",
+    "content"}]}`) into this rank's missing shards of `output_dir`. A conversation stops before a
+    turn whose prompt plus max_new_tokens exceeds max_prompt_tokens (dropped if no reply is left).
+    Sampling is seeded per shard, so a resumed run writes what an uninterrupted one would.
+    Returns {"written": [...], "skipped": [...]}; call `merge_shards` after every rank is done."""
+    from tqdm.auto import tqdm
+
+    output_dir = Path(output_dir)
+    output_dir.mkdir(parents=True, exist_ok=True)
+    size = config.shard_size
+    shards = range(rank, -(-len(records) // size), world_size)
+    missing = [s for s in shards if not (output_dir / shard_name(s)).is_file()]
+    todo = sum(len(records[s * size:(s + 1) * size]) for s in missing)
+    log.info("regenerate: %d of %d shard(s) to write on rank %d (%d conversations), temperature %g, "
+             "max %d new tokens", len(missing), len(shards), rank, todo, config.temperature, config.max_new_tokens)
+    bar = tqdm(total=todo, desc=f"regenerate rank {rank}", unit="conv", disable=not progress)
+    written = []
+    try:
+        for s in missing:
+            torch.manual_seed(seed + s)
+            chunk = records[s * size:(s + 1) * size]
+            lines = []
+            for start in range(0, len(chunk), config.batch_size):
+                batch = chunk[start:start + config.batch_size]
+                lines += [json.dumps(r, ensure_ascii=False) for r in
+                          _regenerate_batch(batch, tokenizer, generate_fn, config, max_prompt_tokens)]
+                bar.update(len(batch))
+            tmp = output_dir / f".{shard_name(s)}.tmp-{os.getpid()}"
+            tmp.write_text("".join(line + "\n" for line in lines), encoding="utf-8")
+            os.replace(tmp, output_dir / shard_name(s))
+            written.append(s)
+    finally:
+        bar.close()
+    return {"written": written, "skipped": [s for s in shards if s not in written]}
+
+
+def merge_shards(output_dir: str | os.PathLike, num_records: int, shard_size: int) -> Path:
+    """Concatenate every shard, in order, into output_dir/regenerated.jsonl (atomically)."""
+    output_dir = Path(output_dir)
+    count = -(-num_records // shard_size)
+    missing = [shard_name(s) for s in range(count) if not (output_dir / shard_name(s)).is_file()]
+    if missing:
+        raise FileNotFoundError(f"{output_dir}: shards not written yet: {missing[:5]}")
+    target = output_dir / "regenerated.jsonl"
+    tmp = output_dir / f".regenerated.jsonl.tmp-{os.getpid()}"
+    with open(tmp, "w", encoding="utf-8") as out:
+        for s in range(count):
+            out.write((output_dir / shard_name(s)).read_text(encoding="utf-8"))
+    os.replace(tmp, target)
+    return target

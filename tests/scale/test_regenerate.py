@@ -1,0 +1,86 @@
+"""Self-distillation: turn-by-turn regeneration with a tiny model, shards, resume after a crash."""
+import json
+
+import pytest
+
+from data.config import RegenerateConfig
+from data.records import SkipCounter, normalise
+from data.regenerate import hf_generate_fn, merge_shards, regenerate, shard_name
+from tests.tiny import tiny_model
+
+
+class ToyTokenizer:
+    """Characters <-> ids 3..122; a chat template that writes 'U:' / 'A:' lines."""
+
+    def apply_chat_template(self, messages, tokenize=False, add_generation_prompt=False):
+        text = "".join(("U:" if m["role"] == "user" else "A:") + m["content"] + "\n" for m in messages)
+        return text + ("A:" if add_generation_prompt else "")
+
+    def __call__(self, text, add_special_tokens=False):
+        return {"input_ids": [3 + ord(c) % 120 for c in text]}
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(chr(97 + i % 26) for i in ids if not (skip_special_tokens and i < 3))
+
+
+def _records(n):
+    return [{"id": f"c{i}", "messages": [
+        {"role": "user", "content": f"hi {i}"}, {"role": "assistant", "content": "old reply"},
+        {"role": "user", "content": "more"}, {"role": "assistant", "content": "old again"}]} for i in range(n)]
+
+
+def _read(path):
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+class Counting:
+    def __init__(self, generate, fail_after=None):
+        self.generate, self.calls, self.fail_after = generate, 0, fail_after
+
+    def __call__(self, prompts, max_new_tokens, temperature):
+        if self.fail_after is not None and self.calls >= self.fail_after:
+            raise KeyboardInterrupt("simulated interruption")
+        self.calls += 1
+        return self.generate(prompts, max_new_tokens, temperature)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_interrupted_regeneration_resumes_to_the_same_output(tmp_path, temperature):
+    config = RegenerateConfig(enabled=True, temperature=temperature, max_new_tokens=5, batch_size=2, shard_size=2)
+    generate = hf_generate_fn(tiny_model(), pad_id=0, eos_ids=[2])
+    records, tokenizer = _records(5), ToyTokenizer()
+
+    full = regenerate(records, tokenizer, Counting(generate), tmp_path / "full", config, progress=False)
+    assert full["written"] == [0, 1, 2]
+    reference = _read(merge_shards(tmp_path / "full", len(records), config.shard_size))
+
+    crashing = Counting(generate, fail_after=5)  # 2 turns per batch: dies inside the third shard
+    with pytest.raises(KeyboardInterrupt):
+        regenerate(records, tokenizer, crashing, tmp_path / "resumed", config, progress=False)
+    assert sorted(p.name for p in (tmp_path / "resumed").glob("regenerated-*")) == [shard_name(0), shard_name(1)]
+    with pytest.raises(FileNotFoundError, match=shard_name(2)):
+        merge_shards(tmp_path / "resumed", len(records), config.shard_size)
+    resumed = Counting(generate)
+    again = regenerate(records, tokenizer, resumed, tmp_path / "resumed", config, progress=False)
+    assert again == {"written": [2], "skipped": [0, 1]} and resumed.calls == 2
+    assert _read(merge_shards(tmp_path / "resumed", len(records), config.shard_size)) == reference
+
+    assert [r["id"] for r in reference] == [r["id"] for r in records]
+    counter = SkipCounter(skip_bad_records=False)  # what data.source=<regenerated.jsonl> will read
+    assert all(normalise(r, i, counter) is not None for i, r in enumerate(reference))
+    first = reference[0]["conversations"]
+    assert [t["from"] for t in first] == ["human", "gpt", "human", "gpt"]
+    assert first[0]["value"] == "hi 0" and first[1]["value"] not in ("old reply", "")
+
+
+def test_ranks_split_shards_and_long_prompts_cut_the_conversation(tmp_path):
+    config = RegenerateConfig(enabled=True, max_new_tokens=4, batch_size=4, shard_size=1)
+    generate = hf_generate_fn(tiny_model(), pad_id=0, eos_ids=[2])
+    records = _records(3)
+    r0 = regenerate(records, ToyTokenizer(), generate, tmp_path, config, rank=0, world_size=2, progress=False)
+    r1 = regenerate(records, ToyTokenizer(), generate, tmp_path, config, rank=1, world_size=2,
+                    max_prompt_tokens=20, progress=False)
+    assert r0["written"] == [0, 2] and r1["written"] == [1]
+    cut = _read(tmp_path / shard_name(1))[0]["conversations"]
+    assert [t["from"] for t in cut] == ["human", "gpt"]  # the second turn's prompt exceeds 20 tokens
+    assert len(_read(merge_shards(tmp_path, 3, 1))) == 3
