@@ -23,6 +23,8 @@ from heads.io import check_against_target, head_type
 
 log = logging.getLogger(__name__)
 
+_SGLANG_EAGLE_TARGETS = {"LlamaForCausalLM", "Qwen2ForCausalLM"}  # SGLang's {arch}Eagle classes
+
 def prepare_tensors(tensors: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """Cast floating tensors to `dtype` on the CPU, each into its own storage: safetensors refuses
     tensors that share memory (tied embeddings, one lm_head copied into K Medusa heads)."""
@@ -64,6 +66,9 @@ def _auto_notes(fmt_name: str, config, base) -> list[str]:
         notes.append("fc.bias is all zeros: the head has no fc bias, and SGLang would leave a missing fc.bias "
                      "at its random initial value; config.json has no `bias` key because SGLang reads it as "
                      "attention bias (the EAGLE loader reads a missing `bias` as true, matching fc.bias).")
+    if fmt_name == "eagle" and base.architecture not in _SGLANG_EAGLE_TARGETS:
+        notes.append(f"SGLang registers EAGLE-1 draft classes for {sorted(_SGLANG_EAGLE_TARGETS)} targets; "
+                     f"check that it has {base.architecture}Eagle before serving this folder.")
     if fmt_name == "medusa" and config.share_lm_head:
         notes.append("trained with the target's frozen lm_head (share_lm_head): each `{h}.{L}.weight` is a copy "
                      "of the base model's lm_head, because TensorRT-LLM loads one lm_head per Medusa head.")
