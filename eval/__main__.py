@@ -67,8 +67,20 @@ def load_prompts(cfg: EvalEntryConfig, tokenizer) -> list[list[int]]:
     return [p["prompt_ids"] for p in prompts]
 
 
+def training_reply_tokens(data_config: DataConfig, tokenizer, records: int = 1000) -> list[list[int]]:
+    """Token ids of assistant replies from the training side of the split (never the eval prompts)."""
+    from data.sources import load_conversations
+    from data.split import split_indices
+
+    conversations, _ = load_conversations(data_config)
+    train, _ = split_indices(list(conversations["id"]), data_config.eval_fraction, data_config.split_seed)
+    replies = [m["content"] for row in conversations.select(train[:records]) for m in row["messages"]
+               if m["role"] == "assistant"]
+    return [tokenizer(text, add_special_tokens=False)["input_ids"] for text in replies]
+
+
 def run(cfg: EvalEntryConfig) -> dict:
-    from eval.run import HEAD_DRAFTERS, evaluate
+    from eval.run import HEAD_DRAFTERS, evaluate, frequent_token_ids
     from heads.target import load_target
 
     runtime = cfg.runtime
@@ -87,6 +99,10 @@ def run(cfg: EvalEntryConfig) -> dict:
             log.info("no head=: running head-free drafters only: %s", kept)
         drafters = kept
     prompts = load_prompts(cfg, target.tokenizer)
+    draft_vocab = None
+    if runtime.draft_vocab_size and head is not None:
+        draft_vocab = frequent_token_ids(training_reply_tokens(cfg.data, target.tokenizer), runtime.draft_vocab_size)
+        log.info("EAGLE draft vocabulary: the %d most frequent tokens of training replies", len(draft_vocab))
     logger = cfg.logger or {}
     if logger.get("kind") == "wandb" and logger.get("mode") != "disabled":
         import wandb
@@ -95,7 +111,7 @@ def run(cfg: EvalEntryConfig) -> dict:
                    name=logger.get("run_name"), tags=logger.get("tags"), job_type="eval",
                    config={"runtime": dataclasses.asdict(runtime), "head": cfg.head})
     report = evaluate(target, prompts, drafters, runtime, head=head, head_config=head_config, out_dir=cfg.out,
-                      progress=cfg.progress)
+                      progress=cfg.progress, draft_vocab=draft_vocab)
     print(Path(report["files"]["markdown"]).read_text())
     return report
 

@@ -45,9 +45,18 @@ class Method:
     sweep: bool = False  # a tree-size sweep point (eagle_tree at another total_tokens)
 
 
-def _eagle(head, lean, mode, runtime: RuntimeConfig, total_tokens=None) -> Callable[[], Drafter]:
+def _eagle(head, lean, mode, runtime: RuntimeConfig, total_tokens=None, draft_vocab=None) -> Callable[[], Drafter]:
     return lambda: EagleDrafter(head, lean, mode=mode, depth=runtime.chain_depth if mode == "chain" else runtime.tree_depth,
-                                top_k=runtime.tree_top_k, total_tokens=total_tokens or runtime.tree_total_tokens)
+                                top_k=runtime.tree_top_k, total_tokens=total_tokens or runtime.tree_total_tokens,
+                                draft_vocab=draft_vocab)
+
+
+def frequent_token_ids(token_lists: Sequence[Sequence[int]], size: int) -> torch.Tensor:
+    """(size,) the most frequent token ids of `token_lists` (e.g. training replies), ties by id:
+    an EAGLE draft vocabulary."""
+    counts = torch.bincount(torch.tensor([t for tokens in token_lists for t in tokens], dtype=torch.long))
+    order = sorted(range(counts.shape[0]), key=lambda i: (-int(counts[i]), i))
+    return torch.tensor(sorted(order[:size]), dtype=torch.long)
 
 
 def _draft_cost(lean: LeanLlama, layers: int) -> float:
@@ -76,7 +85,7 @@ def _medusa_choices(heads: MedusaHeads, lean: LeanLlama, runtime: RuntimeConfig,
 
 
 def build_methods(names: Sequence[str], runtime: RuntimeConfig, lean: LeanLlama, head=None, prompts=(),
-                  sampling=SamplingConfig(), eos=()) -> tuple[list[Method], dict]:
+                  sampling=SamplingConfig(), eos=(), draft_vocab=None) -> tuple[list[Method], dict]:
     """Drafter names -> Methods (plain first). Head drafters whose head is missing are skipped
     with a warning. Returns (methods, extra report fields)."""
     methods, extra = [Method("plain", None)], {}
@@ -96,14 +105,18 @@ def build_methods(names: Sequence[str], runtime: RuntimeConfig, lean: LeanLlama,
             methods.append(Method(name, lambda layers=layers, cost=cost: self_speculation_drafter(
                 lean, layers, DynamicGamma(draft_cost=cost)), settings={"draft_layers": layers, "draft_cost": round(cost, 3)}))
         elif name == "eagle_chain":
-            methods.append(Method(name, _eagle(head, lean, "chain", runtime), settings={"depth": runtime.chain_depth}))
+            vocab = {} if draft_vocab is None else {"draft_vocab": len(draft_vocab)}
+            methods.append(Method(name, _eagle(head, lean, "chain", runtime, draft_vocab=draft_vocab),
+                                  settings={"depth": runtime.chain_depth, **vocab}))
         elif name == "eagle_tree":
             tree = {"top_k": runtime.tree_top_k, "depth": runtime.tree_depth}
-            methods.append(Method(name, _eagle(head, lean, "tree", runtime),
+            if draft_vocab is not None:
+                tree["draft_vocab"] = len(draft_vocab)
+            methods.append(Method(name, _eagle(head, lean, "tree", runtime, draft_vocab=draft_vocab),
                                   settings={**tree, "total_tokens": runtime.tree_total_tokens}))
             for size in runtime.tree_sweep:
                 if size != runtime.tree_total_tokens:
-                    methods.append(Method(f"eagle_tree@{size}", _eagle(head, lean, "tree", runtime, size),
+                    methods.append(Method(f"eagle_tree@{size}", _eagle(head, lean, "tree", runtime, size, draft_vocab),
                                           settings={**tree, "total_tokens": size}, sweep=True))
         elif name == "medusa":
             choices, accuracies = _medusa_choices(head, lean, runtime, prompts, sampling, eos)
@@ -182,10 +195,11 @@ def summarize(results: list[GenerationResult], reference: list[list[int]] | None
 def evaluate(target, prompts: Sequence[Sequence[int]], drafter_specs: Sequence[str] | None = None,
              runtime: RuntimeConfig = RuntimeConfig(), head=None, head_config=None,
              out_dir: str | Path = "runs/eval", progress: bool = True,
-             eos_token_ids: Sequence[int] | None = None) -> dict:
+             eos_token_ids: Sequence[int] | None = None, draft_vocab: torch.Tensor | None = None) -> dict:
     """Measure every drafter in `drafter_specs` (default runtime.drafters) on `prompts` (token id
     lists) with the target (a `heads.target.FrozenTarget`; `head` an EagleHead or MedusaHeads, or
-    None for head-free drafters only). Writes report.json, report.md and PNG plots to out_dir;
+    None for head-free drafters only). draft_vocab: optional (Vd,) token ids for EAGLE drafts
+    (`frequent_token_ids` of training replies; runtime.draft_vocab_size says how many). Writes report.json, report.md and PNG plots to out_dir;
     logs to W&B when a run is active. Returns the report dict."""
     from tqdm import tqdm
 
@@ -202,7 +216,7 @@ def evaluate(target, prompts: Sequence[Sequence[int]], drafter_specs: Sequence[s
     max_len = max(p.shape[0] for p in prompts) + runtime.max_new_tokens + longest_tree + 8
     lean = LeanLlama.from_hf(target.model, max_seq_len=max_len, attention=runtime.attention)
     methods, extra = build_methods(list(drafter_specs or runtime.drafters), runtime, lean, head, prompts, sampling,
-                                   eos_token_ids)
+                                   eos_token_ids, draft_vocab)
     compare_hf = runtime.compare_transformers
     names = [m.name for m in methods] + (["transformers"] if compare_hf else [])
     results: dict[str, list[GenerationResult]] = {name: [] for name in names}

@@ -10,6 +10,11 @@ true features: each `propose` first feeds the positions that entered the target'
 verification (root + accepted path) with their target features, then drafts; draft entries never
 enter the committed cache, so after any number of steps it equals a fresh recompute.
 
+`draft_vocab` (optional, (Vd,) token ids, e.g. the most frequent tokens of the training replies)
+restricts the draft's vocabulary projection to those rows: on a CPU the full lm_head read dominates a
+draft step. Verification stays lossless (drafts are only proposals; sampled drafts report their
+distribution with zeros outside the subset).
+
 Modes: `chain` (depth tokens, argmax, or sampled with draft_probs when the target samples) and
 `tree` (EAGLE-2 dynamic tree: top_k, depth, total_tokens; deterministic top-k drafts, verified with
 the EAGLE-2 rule when sampling).
@@ -30,17 +35,22 @@ class EagleDrafter:
     feature_layers: tuple[int, ...] = (-1,)
 
     def __init__(self, head: EagleHead, target: LeanLlama, mode: str = "tree", depth: int = 4,
-                 top_k: int = 4, total_tokens: int = 16):
+                 top_k: int = 4, total_tokens: int = 16, draft_vocab: torch.Tensor | None = None):
         if mode not in MODES:
             raise ValueError(f"eagle drafter: mode must be one of {MODES}, got {mode!r}")
         if depth < 1 or top_k < 1 or total_tokens < 2:
             raise ValueError("eagle drafter: need depth >= 1, top_k >= 1, total_tokens >= 2")
         if head.config.hidden_size != target.config.hidden_size or head.config.vocab_size != target.config.vocab_size:
             raise ValueError("eagle drafter: head and target disagree on hidden_size or vocab_size")
+        if target.lm_head.bias is not None:
+            raise ValueError("eagle drafter: an lm_head with bias is not supported")
         self.head, self.target = head.eval(), target
         self.mode, self.depth, self.top_k, self.total_tokens = mode, depth, top_k, total_tokens
         self.dtype = next(head.parameters()).dtype
         self.past: tuple[torch.Tensor, torch.Tensor] | None = None  # (k, v) each (1, nKV, C, hd)
+        self.vocab = None if draft_vocab is None else torch.as_tensor(draft_vocab, dtype=torch.long)
+        weight_t = target.lm_head.weight_t  # (D, V)
+        self.projection = weight_t if self.vocab is None else weight_t[:, self.vocab].contiguous()  # (D, Vd)
 
     @property
     def cache_length(self) -> int:
@@ -53,8 +63,12 @@ class EagleDrafter:
         return self.target.embedding[tokens].to(self.dtype)
 
     def _logits(self, features: torch.Tensor) -> torch.Tensor:
-        """(n, D) predicted features -> (n, V) float logits through the target's lm_head."""
-        return self.target.lm_head(features.to(self.target.embedding.dtype)).float()
+        """(n, D) predicted features -> (n, Vd) float logits through the target's lm_head (rows of
+        draft_vocab only, when given; map indices back with `_token_ids`)."""
+        return (features.to(self.projection.dtype) @ self.projection).float()
+
+    def _token_ids(self, indices: torch.Tensor) -> torch.Tensor:
+        return indices if self.vocab is None else self.vocab[indices]
 
     @torch.no_grad()
     def catch_up(self, state: DraftState) -> torch.Tensor:
@@ -84,12 +98,14 @@ class EagleDrafter:
         length = state.tokens.shape[0]
         past, tokens, rows = self.past, [], []
         for i in range(self.depth):
-            logits = self._logits(feature[None])[0]  # (V,)
+            logits = self._logits(feature[None])[0]  # (Vd,)
             if state.sampling.greedy:
-                token = int(logits.argmax())
+                token = int(self._token_ids(logits.argmax()))
             else:
                 q = probabilities(logits, state.sampling)
-                token = sample(q, state.generator)
+                token = int(self._token_ids(torch.tensor(sample(q, state.generator))))
+                if self.vocab is not None:  # the distribution over the full vocabulary
+                    q = torch.zeros(self.target.config.vocab_size).index_copy_(0, self.vocab, q)
                 rows.append(q)
             tokens.append(token)
             if i + 1 < self.depth:
@@ -105,8 +121,9 @@ class EagleDrafter:
         batched head forward per depth, tree mask over the drafted entries), score nodes by
         cumulative draft log-probability, keep the best total_tokens - 1 nodes."""
         top_k, length, committed = self.top_k, state.tokens.shape[0], self.cache_length
-        logp = torch.log_softmax(self._logits(feature[None]), dim=-1)[0]  # (V,)
+        logp = torch.log_softmax(self._logits(feature[None]), dim=-1)[0]  # (Vd,)
         scores, tokens = logp.topk(top_k)
+        tokens = self._token_ids(tokens)
         node_tokens, node_scores = tokens.tolist(), scores.tolist()
         node_parents, node_depths = [-1] * top_k, [1] * top_k
         node_slot: dict[int, int] = {}  # node -> index of its entry among the drafted head K/V
@@ -128,8 +145,9 @@ class EagleDrafter:
             positions = torch.full((1, n), length + depth - 3)
             out, past = self.head(embeds, frontier_features[None], positions, attention_mask=mask[None, None],
                                   past_key_values=past, use_cache=True)  # (1, n, D)
-            logp = torch.log_softmax(self._logits(out[0]), dim=-1)  # (n, V)
+            logp = torch.log_softmax(self._logits(out[0]), dim=-1)  # (n, Vd)
             child_scores, child_tokens = logp.topk(top_k, dim=-1)  # (n, K)
+            child_tokens = self._token_ids(child_tokens)
             cumulative = torch.tensor([node_scores[i] for i in frontier])[:, None] + child_scores  # (n, K)
             first = len(node_tokens)
             for row, parent in enumerate(frontier):

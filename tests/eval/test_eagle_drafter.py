@@ -138,3 +138,23 @@ def test_sampled_chain_reports_draft_probabilities(setup):
     result = speculative_generate(lean, drafter, prompt, 12, SamplingConfig(temperature=0.8),
                                   generator=torch.Generator().manual_seed(1))
     assert len(result.tokens) == 12
+
+
+def test_draft_vocab_subset_stays_lossless_and_in_vocabulary(setup):
+    lean, _, warm_head = setup
+    vocab = torch.arange(0, 128, 2)  # even token ids only
+    for mode in ("chain", "tree"):
+        drafter = EagleDrafter(warm_head, lean, mode=mode, depth=3, top_k=3, total_tokens=8, draft_vocab=vocab)
+        for prompt in prompts(2):
+            drafter.reset(prompt)
+            candidates = drafter.propose(_state_after_prefill(lean, prompt))
+            assert all(t % 2 == 0 for t in candidates.tokens.tolist())
+            assert speculative_generate(lean, drafter, prompt, NEW_TOKENS).tokens == plain_generate(
+                lean, prompt, NEW_TOKENS).tokens
+    drafter = EagleDrafter(warm_head, lean, mode="chain", depth=2, draft_vocab=vocab)
+    prompt = prompts(1)[0]
+    drafter.reset(prompt)
+    state = _state_after_prefill(lean, prompt)
+    state.sampling, state.generator = SamplingConfig(temperature=1.0), torch.Generator().manual_seed(0)
+    candidates = drafter.propose(state)
+    assert candidates.draft_probs.shape == (2, 128) and float(candidates.draft_probs[:, 1::2].sum()) == 0.0

@@ -74,3 +74,10 @@ def test_eval_entry_composes_into_dataclasses():
     assert cfg.head == "some/dir" and cfg.out == "runs/eval" and cfg.logger["kind"] == "none"
     with pytest.raises(Exception, match="tree_width"):
         compose_eval(["runtime.tree_width=3"])
+
+
+def test_frequent_token_ids():
+    from eval.run import frequent_token_ids
+
+    ids = frequent_token_ids([[5, 5, 5, 9, 9, 2], [9, 7, 2, 5]], 3)
+    assert ids.tolist() == [2, 5, 9]  # counts 5:4, 9:3, 2:2 (7:1 dropped), returned sorted
