@@ -1,13 +1,189 @@
-"""Runs the stages of one job in order: data -> [features] -> train -> eval -> export."""
+"""Runs the stages of one job in order: data -> [regenerate] -> [features] -> train -> eval -> export.
+
+Each stage reads what the previous one wrote to the run folder (`trainer.output_dir`), so a job
+that stopped can be run again with the stages it still needs (`stages=[eval,export]`).
+"""
 from __future__ import annotations
 
+import json
 import logging
+import platform
+import time
+from pathlib import Path
 
-from train.job import JobConfig
+import torch
+
+from heads.target import FrozenTarget, load_target
+from train.job import ConfigError, JobConfig
 
 log = logging.getLogger(__name__)
 
 
-def run_job(job: JobConfig) -> None:
-    log.info("job %s: stages %s", job.recipe, job.stages)
-    raise NotImplementedError("stages are being built")
+def hardware() -> str:
+    if torch.cuda.is_available():
+        return f"{torch.cuda.get_device_name()} x{torch.cuda.device_count()}"
+    return f"CPU {platform.processor() or platform.machine()}, {torch.get_num_threads()} threads"
+
+
+def check_arch(job: JobConfig, target: FrozenTarget) -> None:
+    """The recipe's architecture numbers (used for planning) must describe the model we loaded."""
+    loaded = {
+        "hidden_size": target.hidden_size, "num_hidden_layers": target.num_layers,
+        "num_attention_heads": target.config.num_attention_heads,
+        "num_key_value_heads": getattr(target.config, "num_key_value_heads", target.config.num_attention_heads),
+        "intermediate_size": getattr(target.config, "intermediate_size", None), "vocab_size": target.vocab_size,
+    }
+    for key, value in loaded.items():
+        expected = getattr(job.model.arch, key)
+        if expected is not None and value is not None and expected != value:
+            raise ConfigError(f"model.arch.{key}={expected} but the loaded target {target.name} has {value}")
+    if job.heads.hidden_size is not None and job.heads.hidden_size != target.hidden_size:
+        raise ConfigError(f"heads.hidden_size={job.heads.hidden_size} differs from the target's {target.hidden_size}")
+
+
+def _write_json(path: Path, values: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(values, indent=2, default=str))
+    tmp.replace(path)
+
+
+def run_job(job: JobConfig) -> dict:
+    """Run the configured stages; returns a summary (also written to <run_dir>/job_summary.json)."""
+    run_dir = Path(job.trainer.output_dir)
+    if job.trainer.dry_run:
+        from train.plan import format_plan, make_plan
+
+        print(format_plan(make_plan(job)))
+        return {"dry_run": True}
+    if job.trainer.num_threads:
+        torch.set_num_threads(job.trainer.num_threads)
+    started = time.time()
+    log.info("job %s: stages %s, run folder %s", job.recipe, job.stages, run_dir)
+    target = load_target(job.model)
+    check_arch(job, target)
+    summary: dict = {"recipe": job.recipe, "target": target.name, "fingerprint": target.fingerprint(),
+                     "hardware": hardware()}
+
+    prepared = None
+    if {"data", "train", "features"} & set(job.stages):
+        from data.pipeline import prepare_data
+
+        prepared = prepare_data(job.data, target.tokenizer, run_dir)
+        summary["data"] = prepared.stats
+
+    source = None
+    if job.data.mode == "offline" and "train" in job.stages:
+        from train.offline import offline_source
+
+        source = offline_source(job, target, prepared)
+
+    head = head_config = None
+    if "train" in job.stages:
+        from train.loop import train_heads
+
+        result = train_heads(job, target, prepared, source=source)
+        summary["train"] = {"steps": result.steps, "stopped": result.stopped, "best_eval": result.best_eval,
+                            "final_eval": result.final_eval,
+                            "best_checkpoint": str(result.best_checkpoint or result.last_checkpoint)}
+        checkpoint = result.best_checkpoint or result.last_checkpoint
+    else:
+        checkpoint = Path(job.trainer.init_from) if job.trainer.init_from else _latest_checkpoint(run_dir)
+    if {"eval", "export"} & set(job.stages):
+        if checkpoint is None:
+            raise FileNotFoundError(f"no trained head found under {run_dir} (run the train stage first)")
+        head, head_config = _load_for_eval(checkpoint, target)
+
+    if "eval" in job.stages:
+        summary["eval"] = _evaluate(job, target, head, head_config, run_dir)
+
+    if "export" in job.stages:
+        from export.writer import export_all
+
+        extra = {"training": _training_figures(summary), "eval": _eval_figures(summary)}
+        runtime = (summary.get("eval") or {}).get("recommended_runtime")
+        if runtime:
+            extra["runtime"] = runtime
+        paths = export_all(head, head_config, job.export.formats, run_dir / "export", target, job.export.dtype,
+                           manifest_extra=extra)
+        summary["export"] = {fmt: str(path) for fmt, path in paths.items()}
+        for fmt, path in paths.items():
+            log.info("exported %s -> %s", fmt, path)
+
+    summary["wall_seconds"] = round(time.time() - started, 1)
+    _write_json(run_dir / "job_summary.json", summary)
+    print(_final_lines(summary))
+    return summary
+
+
+def _latest_checkpoint(run_dir: Path) -> Path | None:
+    from train.checkpoint import latest_valid_checkpoint
+
+    root = run_dir / "checkpoints"
+    best = root / "best"
+    if (best / "head_config.json").is_file():
+        return best
+    return latest_valid_checkpoint(root) if root.is_dir() else None
+
+
+def _load_for_eval(checkpoint: Path, target: FrozenTarget):
+    from export.validate import load_export
+    from heads.io import load_head
+
+    if (Path(checkpoint) / "specheads.json").is_file():
+        head, config, _ = load_export(checkpoint, target, dtype="float32")
+    else:
+        head, config, _ = load_head(checkpoint, target)
+    return head.to(target.device).eval(), config
+
+
+def _evaluate(job: JobConfig, target: FrozenTarget, head, head_config, run_dir: Path) -> dict:
+    from data.prompts import eval_prompts, load_prompt_file
+    from eval.run import evaluate
+
+    runtime = job.runtime
+    if runtime.prompts_file:
+        prompts = load_prompt_file(runtime.prompts_file, target.tokenizer, runtime.max_prompt_tokens)
+    else:
+        prompts = eval_prompts(job.data, target.tokenizer, runtime.num_prompts, runtime.max_prompt_tokens)
+    kind = job.heads.type
+    wanted = [d for d in runtime.drafters if not d.startswith(("eagle", "medusa")) or d.startswith(kind)]
+    report = evaluate(target, [p["prompt_ids"] for p in prompts[: runtime.num_prompts]], wanted, runtime,
+                      head=head, head_config=head_config, out_dir=run_dir / "eval")
+    return report
+
+
+def _training_figures(summary: dict) -> dict:
+    train = summary.get("train") or {}
+    data = (summary.get("data") or {}).get("train", {})
+    return {"steps": train.get("steps"), "held_out": train.get("final_eval"), "best": train.get("best_eval"),
+            "train_records": data.get("records"), "train_tokens": data.get("tokens"),
+            "hardware": summary.get("hardware")}
+
+
+def _eval_figures(summary: dict) -> dict:
+    report = summary.get("eval") or {}
+    figures = {"hardware": summary.get("hardware"), "threads": report.get("threads")}
+    for row in report.get("drafters", []):
+        figures[row["name"]] = {key: row.get(key) for key in
+                                ("tau", "tokens_per_second", "speedup_vs_plain", "speedup_vs_transformers")}
+    return figures
+
+
+def _final_lines(summary: dict) -> str:
+    lines = [f"== {summary['recipe']} on {summary['hardware']} ({summary['wall_seconds']} s) =="]
+    if "data" in summary:
+        train = summary["data"].get("train", {})
+        lines.append(f"data: {train.get('records')} training conversations, {train.get('tokens')} tokens")
+    if "train" in summary:
+        held = summary["train"].get("final_eval") or {}
+        shown = {k.removeprefix("eval/"): round(v, 3) for k, v in held.items()
+                 if isinstance(v, (int, float)) and ("top1" in k or "acceptance" in k)}
+        lines.append(f"train: {summary['train']['steps']} steps ({summary['train']['stopped']}); held-out {shown}")
+    for row in (summary.get("eval") or {}).get("drafters", []):
+        lines.append(f"eval {row['name']}: tau {row.get('tau', float('nan')):.2f}, "
+                     f"{row.get('speedup_vs_plain') or float('nan'):.2f}x plain, "
+                     f"{row.get('speedup_vs_transformers') or float('nan'):.2f}x transformers generate")
+    if "export" in summary:
+        lines.append("export: " + ", ".join(f"{k} -> {v}" for k, v in summary["export"].items()))
+    return "\n".join(lines)

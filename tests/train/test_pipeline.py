@@ -1,0 +1,60 @@
+"""The whole job end to end on a tiny random target that uses SmolLM2's tokenizer and chat
+template: data -> train -> eval -> export, then the exported folder validates."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from train.__main__ import compose_job
+from train.pipeline import run_job
+
+
+@pytest.fixture(scope="module")
+def tiny_chat_model(tmp_path_factory):
+    from transformers import AutoTokenizer
+
+    from heads.target import TargetConfig, resolve_source
+    from tests.tiny import tiny_model
+
+    folder = tmp_path_factory.mktemp("tiny_chat")
+    tokenizer = AutoTokenizer.from_pretrained(resolve_source(TargetConfig())[0])
+    model = tiny_model(vocab_size=len(tokenizer), tie_word_embeddings=True, eos_token_id=2, pad_token_id=2)
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    rows = [{"id": f"c{i}", "conversations": [
+        {"from": "human", "value": f"Count from {i}."},
+        {"from": "gpt", "value": " ".join(str(j) for j in range(i, i + 12))}]} for i in range(24)]
+    (folder / "data.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    return folder
+
+
+@pytest.mark.integration
+def test_job_runs_every_stage(tiny_chat_model, tmp_path):
+    arch_off = [f"model.arch.{k}=null" for k in ("hidden_size", "num_hidden_layers", "num_attention_heads",
+                                                 "num_key_value_heads", "intermediate_size", "vocab_size")]
+    job = compose_job([
+        f"model.name_or_path={tiny_chat_model}", *arch_off,
+        f"data.source={tiny_chat_model / 'data.jsonl'}", "data.max_records=null", "data.eval_fraction=0.25",
+        f"data.cache_dir={tmp_path / 'cache'}",
+        f"trainer.output_dir={tmp_path / 'run'}", "trainer.max_steps=2", "trainer.eval_every=2",
+        "trainer.save_every=2", "trainer.eval_batches=1", "trainer.max_minutes=null", "logger=none",
+        "runtime.drafters=[eagle_chain,prompt_lookup]", "runtime.tree_sweep=[]", "runtime.num_prompts=1",
+        "runtime.max_new_tokens=6", "runtime.compare_transformers=false",
+    ])
+    summary = run_job(job)
+    assert summary["train"]["steps"] == 2
+    assert {row["name"] for row in summary["eval"]["drafters"]} == {"eagle_chain", "prompt_lookup"}
+    assert set(summary["export"]) == {"native", "eagle", "eagle_vllm"}
+    run = tmp_path / "run"
+    assert (run / "metrics.jsonl").is_file() and (run / "eval" / "report.json").is_file()
+
+    from export.validate import validate_export
+
+    for folder in summary["export"].values():
+        validate_export(folder)
+    # Re-running only the later stages picks up the trained head from the run folder.
+    again = run_job(compose_job([
+        f"model.name_or_path={tiny_chat_model}", *arch_off, f"trainer.output_dir={run}", "logger=none",
+        "stages=[export]", f"export.out={tmp_path / 'x'}"]))
+    assert set(again["export"]) == {"native", "eagle", "eagle_vllm"}
