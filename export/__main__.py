@@ -101,12 +101,22 @@ def main(cfg: DictConfig) -> None:
         print(f"{fmt}: {path}")
 
 
-if __name__ == "__main__":
-    if len(sys.argv) > 1 and sys.argv[1] == "validate":
-        sys.exit(run_validate(sys.argv[2:]))
-    sys.argv += ["hydra.run.dir=.", "hydra.output_subdir=null", "hydra/job_logging=none", "hydra/hydra_logging=none"]
+def cli(argv: list[str]) -> int:
+    """The command line without the interpreter: `validate ...` or Hydra overrides."""
+    if argv and argv[0] == "validate":
+        return run_validate(argv[1:])
+    program = sys.argv[0] if sys.argv else "export"
+    sys.argv = [program, *argv, "hydra.run.dir=.", "hydra.output_subdir=null", "hydra/job_logging=none",
+                "hydra/hydra_logging=none"]
     try:
         main()
     except HydraException as error:
         print(f"config error: {error}", file=sys.stderr)
-        sys.exit(2)
+        return 2
+    except SystemExit as exit_:
+        return exit_.code if isinstance(exit_.code, int) else 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(cli(sys.argv[1:]))

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from export import ExportError, validate_export
-from export.__main__ import CONF_DIR, run_export, run_validate, to_export_config
+from export.__main__ import CONF_DIR, cli, run_export, run_validate, to_export_config
 from export.config import ExportConfig
 from heads.io import save_head
 from tests.export.conftest import SIZES, make_eagle
@@ -50,14 +50,32 @@ def _run(*args):
                           timeout=300)
 
 
-@pytest.mark.integration  # two interpreter start-ups (~10 s each on a shared 2-core machine)
-def test_cli_exports_and_validates(saved):
+@pytest.mark.integration  # one interpreter start-up (~5 s quiet, ~20 s on a loaded 2-core machine)
+def test_python_m_export_runs(saved):
     out = saved["root"] / "eagle-out"
     done = _run(f"ckpt={saved['ckpt']}", "format=eagle", f"out={out}", "dtype=float16")
     assert done.returncode == 0, done.stderr
     assert validate_export(out, saved["target"])["dtype"] == "float16"
-    bad = _run("validate", str(out), f"base={saved['other']}")
-    assert bad.returncode == 1 and "base_model.fingerprint" in bad.stderr
+
+
+def test_cli_export_then_validate_against_two_bases(saved, capsys, monkeypatch):
+    monkeypatch.setattr(sys, "argv", ["export"])
+    out = saved["root"] / "cli-out"
+    assert cli([f"ckpt={saved['ckpt']}", "format=eagle_vllm", f"out={out}", f"base={saved['base']}"]) == 0
+    assert validate_export(out, saved["target"])["format"] == "eagle_vllm"
+    assert capsys.readouterr().out.strip() == f"eagle_vllm: {out}"
+    assert cli(["validate", str(out), f"base={saved['base']}"]) == 0
+    assert json.loads(capsys.readouterr().out)["valid"] is True
+    assert cli(["validate", str(out), f"base={saved['other']}"]) == 1
+    assert "base_model.fingerprint" in capsys.readouterr().err
+
+
+def test_cli_reports_config_and_export_errors(saved, capsys, monkeypatch):
+    monkeypatch.setattr(sys, "argv", ["export"])
+    assert cli(["no_such_key=1"]) != 0  # Hydra's own override error
+    assert "no_such_key" in capsys.readouterr().err
+    assert cli([f"ckpt={saved['ckpt']}"]) == 2
+    assert "out=" in capsys.readouterr().err
 
 
 def test_run_export_writes_every_format_with_the_checkpoints_training_figures(saved):
