@@ -29,6 +29,7 @@ class TrainerConfig:
     log_every: int = 10
     dry_run: bool = False  # print the plan (memory, disk, steps) and stop
     num_threads: int | None = None  # torch CPU threads; None: leave torch's default
+    feature_memory_mb: float = 0  # >0: keep target features of seen rows in memory (multi-epoch CPU runs)
     loss_chunk_size: int = 1024  # rows per vocabulary-projection chunk in the losses (bounds logits memory)
 
 

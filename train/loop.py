@@ -26,7 +26,9 @@ from train.checkpoint import (
 from train.data_order import BatchStream, eval_batches
 from train.evaluate import run_eval
 from train.metrics import MetricsLogger, gpu_memory_metrics
-from train.objectives import FeatureSource, FrozenParts, OnlineFeatures, eagle_step, medusa_step
+from train.objectives import (
+    FeatureSource, FrozenParts, MemoizedFeatures, OnlineFeatures, eagle_step, medusa_step,
+)
 
 log = logging.getLogger(__name__)
 BEST_METRIC = "eval/acceptance_length"  # higher is better
@@ -117,6 +119,10 @@ def train_heads(job, target, data, source: FeatureSource | None = None, accelera
     target.to(device)
     parts = FrozenParts.from_target(target)
     source = source or OnlineFeatures(target)
+    eval_source = source
+    if t.feature_memory_mb > 0:  # reuse each row's features across epochs and evaluations
+        source = MemoizedFeatures(source, t.feature_memory_mb)
+        eval_source = MemoizedFeatures(eval_source, t.feature_memory_mb)
     head, head_config = build_head_for_job(job, target)
     head.to(device)
     optimizer = torch.optim.AdamW(head.parameters(), lr=t.learning_rate, betas=(t.adam_beta1, t.adam_beta2),
@@ -160,7 +166,7 @@ def train_heads(job, target, data, source: FeatureSource | None = None, accelera
     def evaluate() -> dict:
         model = accelerator.unwrap_model(head).eval()
         with accelerator.autocast():
-            metrics = run_eval(model, kind, parts, source, held_out, job.heads.eagle.eval_steps, (eval_rows, 3),
+            metrics = run_eval(model, kind, parts, eval_source, held_out, job.heads.eagle.eval_steps, (eval_rows, 3),
                                reduce)
         head.train()
         return metrics

@@ -36,6 +36,33 @@ class OnlineFeatures:
         return out.hidden[self.target.num_layers]
 
 
+class MemoizedFeatures:
+    """Keep each row's features in memory after its first forward (keyed by row id), up to
+    `max_megabytes`; later epochs and repeated evaluations skip the target. For small CPU jobs
+    that reuse a few thousand rows many times; a disk cache for large jobs is the offline mode."""
+
+    def __init__(self, source: FeatureSource, max_megabytes: float):
+        self.source, self.budget = source, max_megabytes * 2**20
+        self.rows: dict[str, torch.Tensor] = {}
+        self.used = 0
+
+    def __call__(self, batch: dict) -> torch.Tensor:
+        ids, lengths = batch["ids"], batch["attention_mask"].sum(-1).tolist()
+        if all(i in self.rows for i in ids):
+            first = self.rows[ids[0]]
+            out = first.new_zeros(len(ids), batch["input_ids"].shape[1], first.shape[-1])  # (B, T, D)
+            for b, (i, n) in enumerate(zip(ids, lengths)):
+                out[b, :n] = self.rows[i]
+            return out
+        features = self.source(batch)  # (B, T, D)
+        for b, (i, n) in enumerate(zip(ids, lengths)):
+            size = n * features.shape[-1] * features.element_size()
+            if i not in self.rows and self.used + size <= self.budget:
+                self.rows[i] = features[b, :n].clone()
+                self.used += size
+        return features
+
+
 @dataclass
 class FrozenParts:
     """What the heads borrow from the target: embedding (V, D) and lm_head (V, D) weights."""

@@ -1,0 +1,99 @@
+"""Training-throughput benchmark: tokens/s of the frozen target's forward alone vs full training
+steps (target forward + head + loss + backward + AdamW) for each head type, on the same batches.
+
+    python scripts/bench_training.py                 # embedded SmolLM2 + ShareGPT, fp32 CPU
+    python scripts/bench_training.py --tiny          # tiny random model, seconds (smoke test)
+
+Variants run interleaved round by round (target, eagle, medusa, target, ...) so a shared machine's
+load drifts over all of them alike; the ratio training / target-forward is the heads' overhead.
+Not a timed test: absolute numbers depend on the machine and its load.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from heads.config import EagleOptions, MedusaOptions  # noqa: E402
+from heads.eagle import EagleConfig, init_from_target as init_eagle  # noqa: E402
+from heads.io import build_head  # noqa: E402
+from heads.medusa import MedusaConfig, init_from_target as init_medusa  # noqa: E402
+from train.objectives import FrozenParts, OnlineFeatures, eagle_step, medusa_step  # noqa: E402
+
+
+def load(args):
+    from data.collate import collate
+
+    if args.tiny:
+        from tests.tiny import tiny_target
+
+        target = tiny_target()
+        g = torch.Generator().manual_seed(0)
+        rows = [{"input_ids": torch.randint(3, 128, (args.length,), generator=g).tolist(),
+                 "loss_mask": [0] * 8 + [1] * (args.length - 8)} for _ in range(args.batches * args.batch_size)]
+    else:
+        from data.config import DataConfig
+        from data.pipeline import prepare_data
+        from heads.target import TargetConfig, load_target
+
+        target = load_target(TargetConfig(device="cpu"))
+        data = prepare_data(DataConfig(max_records=args.batches * args.batch_size * 4, max_eval_records=1,
+                                       max_length=args.length), target.tokenizer)
+        rows = sorted(data.train, key=lambda row: -row["length"])[: args.batches * args.batch_size]
+    batches = [collate(rows[i:i + args.batch_size], 0) for i in range(0, len(rows), args.batch_size)]
+    return target, batches
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tiny", action="store_true", help="tiny random model instead of SmolLM2")
+    parser.add_argument("--batch-size", type=int, default=2)
+    parser.add_argument("--length", type=int, default=512, help="max tokens per row")
+    parser.add_argument("--batches", type=int, default=3, help="distinct batches per round")
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--chunk-size", type=int, default=1024)
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    target, batches = load(args)
+    source, parts = OnlineFeatures(target), FrozenParts.from_target(target)
+    eagle = init_eagle(build_head(EagleConfig.from_target(target)), target)
+    medusa = init_medusa(build_head(MedusaConfig.from_target(target)), target)
+    variants = {
+        "target forward": None,
+        "eagle train step": (eagle, eagle_step, EagleOptions()),
+        "medusa train step": (medusa, medusa_step, MedusaOptions()),
+    }
+    optimizers = {name: torch.optim.AdamW(v[0].parameters(), lr=1e-4) for name, v in variants.items() if v}
+    seconds = dict.fromkeys(variants, 0.0)
+    tokens = dict.fromkeys(variants, 0)
+    for round_index in range(args.rounds + 1):  # round 0 warms up and is not counted
+        for name, variant in variants.items():
+            started = time.perf_counter()
+            for batch in batches:
+                features = source(batch)
+                if variant is not None:
+                    head, step, options = variant
+                    step(head, parts, batch, features, options, args.chunk_size)["loss"].backward()
+                    optimizers[name].step()
+                    optimizers[name].zero_grad(set_to_none=True)
+                if round_index:
+                    tokens[name] += int(batch["attention_mask"].sum())
+            if round_index:
+                seconds[name] += time.perf_counter() - started
+    print(f"threads={torch.get_num_threads()} batch_size={args.batch_size} length<={args.length} "
+          f"batches={len(batches)} rounds={args.rounds} (shared machines: compare within one run)")
+    base = tokens["target forward"] / seconds["target forward"]
+    for name in variants:
+        rate = tokens[name] / seconds[name]
+        print(f"{name:>18}: {rate:8.1f} tokens/s   cost vs target forward {base / rate:5.2f}x")
+
+
+if __name__ == "__main__":
+    main()
