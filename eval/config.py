@@ -26,5 +26,5 @@ class RuntimeConfig:
     tree_sweep: list[int] = field(default_factory=lambda: [4, 8, 16, 32])  # eagle_tree total_tokens sweep
     draft_layers: int | None = None  # self_speculation: target layers in the draft; None = a quarter
     prompt_lookup_tokens: int = 8  # prompt_lookup: longest drafted chain
-    draft_vocab_size: int = 0  # EAGLE drafts over the N most frequent training-reply tokens; 0 = full vocabulary
+    draft_vocab_size: int = 0  # EAGLE/Medusa drafts over the N most frequent training-reply tokens; 0 = full vocabulary
     seed: int = 0  # sampling generators (one per prompt, the same for every method)

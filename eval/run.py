@@ -66,11 +66,11 @@ def _draft_cost(lean: LeanLlama, layers: int) -> float:
     return (head + layers * per_block) / (head + lean.config.num_layers * per_block)
 
 
-def _medusa_choices(heads: MedusaHeads, lean: LeanLlama, runtime: RuntimeConfig, prompts, sampling, eos):
+def _medusa_choices(heads: MedusaHeads, lean: LeanLlama, runtime: RuntimeConfig, prompts, eos, draft_vocab):
     if runtime.medusa_choices != "auto":
         return parse_choices(runtime.medusa_choices), None
     chain = [(0,) * (k + 1) for k in range(heads.config.num_heads)]
-    probe = MedusaDrafter(heads, lean, chain)
+    probe = MedusaDrafter(heads, lean, chain, draft_vocab)
     sequences, lengths = [], []
     for prompt in prompts[:CALIBRATION_PROMPTS]:
         tokens = plain_generate(lean, prompt, runtime.max_new_tokens, SamplingConfig(), eos).tokens
@@ -85,7 +85,7 @@ def _medusa_choices(heads: MedusaHeads, lean: LeanLlama, runtime: RuntimeConfig,
 
 
 def build_methods(names: Sequence[str], runtime: RuntimeConfig, lean: LeanLlama, head=None, prompts=(),
-                  sampling=SamplingConfig(), eos=(), draft_vocab=None) -> tuple[list[Method], dict]:
+                  eos=(), draft_vocab=None) -> tuple[list[Method], dict]:
     """Drafter names -> Methods (plain first). Head drafters whose head is missing are skipped
     with a warning. Returns (methods, extra report fields)."""
     methods, extra = [Method("plain", None)], {}
@@ -119,11 +119,13 @@ def build_methods(names: Sequence[str], runtime: RuntimeConfig, lean: LeanLlama,
                     methods.append(Method(f"eagle_tree@{size}", _eagle(head, lean, "tree", runtime, size, draft_vocab),
                                           settings={**tree, "total_tokens": size}, sweep=True))
         elif name == "medusa":
-            choices, accuracies = _medusa_choices(head, lean, runtime, prompts, sampling, eos)
+            choices, accuracies = _medusa_choices(head, lean, runtime, prompts, eos, draft_vocab)
             extra["medusa"] = {"choices": [list(c) for c in choices], "rank_accuracies": accuracies}
             verification = "typical" if runtime.typical_acceptance else "lossless"
-            methods.append(Method(name, lambda choices=choices: MedusaDrafter(head, lean, choices), verification,
-                                  settings={"tree_nodes": len(choices), "choices": runtime.medusa_choices}))
+            vocab = {} if draft_vocab is None else {"draft_vocab": len(draft_vocab)}
+            methods.append(Method(name, lambda choices=choices: MedusaDrafter(head, lean, choices, draft_vocab),
+                                  verification, settings={"tree_nodes": len(choices), "choices": runtime.medusa_choices,
+                                                          **vocab}))
     return methods, extra
 
 
@@ -198,7 +200,7 @@ def evaluate(target, prompts: Sequence[Sequence[int]], drafter_specs: Sequence[s
              eos_token_ids: Sequence[int] | None = None, draft_vocab: torch.Tensor | None = None) -> dict:
     """Measure every drafter in `drafter_specs` (default runtime.drafters) on `prompts` (token id
     lists) with the target (a `heads.target.FrozenTarget`; `head` an EagleHead or MedusaHeads, or
-    None for head-free drafters only). draft_vocab: optional (Vd,) token ids for EAGLE drafts
+    None for head-free drafters only). draft_vocab: optional (Vd,) token ids for EAGLE/Medusa drafts
     (`frequent_token_ids` of training replies; runtime.draft_vocab_size says how many). Writes report.json, report.md and PNG plots to out_dir;
     logs to W&B when a run is active. Returns the report dict."""
     from tqdm import tqdm
@@ -215,7 +217,7 @@ def evaluate(target, prompts: Sequence[Sequence[int]], drafter_specs: Sequence[s
     longest_tree = max([runtime.tree_total_tokens, *runtime.tree_sweep, 64])
     max_len = max(p.shape[0] for p in prompts) + runtime.max_new_tokens + longest_tree + 8
     lean = LeanLlama.from_hf(target.model, max_seq_len=max_len, attention=runtime.attention)
-    methods, extra = build_methods(list(drafter_specs or runtime.drafters), runtime, lean, head, prompts, sampling,
+    methods, extra = build_methods(list(drafter_specs or runtime.drafters), runtime, lean, head, prompts,
                                    eos_token_ids, draft_vocab)
     compare_hf = runtime.compare_transformers
     names = [m.name for m in methods] + (["transformers"] if compare_hf else [])

@@ -2,7 +2,9 @@
 the root (position T-2), so head k (0-based) ranks candidates for x_{T+k}; node path (i0, ..., id)
 takes the i_d-th ranked token of head d. Drafts are deterministic (top-k), so sampling stays
 lossless with the EAGLE-2 rule; Medusa's typical acceptance is the runtime's LOSSY option
-(`speculative_generate(verification="typical")`)."""
+(`speculative_generate(verification="typical")`). `draft_vocab` ((Vd,) token ids) restricts the
+heads' vocabulary projections to those rows (K full projections cost nearly a target step on a CPU).
+Rank accuracies are then measured over the subset too."""
 from __future__ import annotations
 
 from typing import Sequence
@@ -18,7 +20,8 @@ from heads.medusa import MedusaHeads
 class MedusaDrafter:
     feature_layers: tuple[int, ...] = (-1,)
 
-    def __init__(self, heads: MedusaHeads, target: LeanLlama, choices: Sequence[Sequence[int]]):
+    def __init__(self, heads: MedusaHeads, target: LeanLlama, choices: Sequence[Sequence[int]],
+                 draft_vocab: torch.Tensor | None = None):
         self.choices: Choices = normalize_choices(choices)
         self.num_used = max(len(path) for path in self.choices)
         if self.num_used > heads.config.num_heads:
@@ -29,9 +32,13 @@ class MedusaDrafter:
         self.rank_index = torch.tensor([path[-1] for path in self.choices])  # (N,)
         self.top = int(self.rank_index.max()) + 1
         # Transposed contiguous vocabulary projections (x @ W_t is the fast CPU GEMV).
+        self.vocab = None if draft_vocab is None else torch.as_tensor(draft_vocab, dtype=torch.long)
         shared = target.lm_head.weight_t  # (D, V)
+        if self.vocab is not None:
+            shared = shared[:, self.vocab].contiguous()  # (D, Vd)
+        rows = slice(None) if self.vocab is None else self.vocab
         self.projections = [
-            shared if heads.config.share_lm_head else heads.lm_head_weight(k).detach().t().contiguous()
+            shared if heads.config.share_lm_head else heads.lm_head_weight(k).detach()[rows].t().contiguous()
             for k in range(self.num_used)
         ]
 
@@ -40,7 +47,7 @@ class MedusaDrafter:
 
     @torch.no_grad()
     def head_logits(self, features: torch.Tensor) -> torch.Tensor:
-        """(n, D) target features -> (K_used, n, V) float logits."""
+        """(n, D) target features -> (K_used, n, Vd) float logits (Vd = V without draft_vocab)."""
         x = features[None].to(self.projections[0].dtype)  # (1, n, D)
         return torch.stack([(self.heads.hidden_one(k, x)[0] @ self.projections[k]).float()
                             for k in range(self.num_used)])
@@ -50,6 +57,8 @@ class MedusaDrafter:
         feature = state.new_features[state.num_layers][-1:]  # (1, D): token before the root
         ranked = self.head_logits(feature)[:, 0].topk(self.top, dim=-1).indices  # (K_used, top)
         tokens = ranked[self.head_index, self.rank_index]  # (N,)
+        if self.vocab is not None:
+            tokens = self.vocab[tokens]
         return Candidates(tokens, self.parents.clone())
 
     def accept(self, state: DraftState, accepted: list[int]) -> None:
@@ -75,8 +84,14 @@ def measure_rank_accuracies(drafter: MedusaDrafter, sequences: Sequence[torch.Te
             if rows.numel() == 0:
                 continue
             labels = sequence[rows + k + 2]
-            chosen = logits[k, rows]  # (R, V)
-            ranks = (chosen > chosen.gather(1, labels[:, None])).sum(-1)  # (R,)
+            chosen = logits[k, rows]  # (R, Vd)
+            if drafter.vocab is not None:  # labels outside the subset can never be drafted
+                position = torch.full((drafter.target.config.vocab_size,), -1, dtype=torch.long)
+                position[drafter.vocab] = torch.arange(drafter.vocab.shape[0])
+                labels = position[labels]
+                keep = labels >= 0
+                chosen, labels = chosen[keep], labels[keep]
+            ranks = (chosen > chosen.gather(1, labels[:, None])).sum(-1)  # (R',)
             hits[k] += torch.bincount(ranks[ranks < top], minlength=top)[:top].float()
             counts[k] += rows.numel()
     return (hits / counts.clamp_min(1)[:, None]).tolist()

@@ -103,3 +103,19 @@ def test_measured_rank_accuracies_are_distributions(setup):
     accuracies = measure_rank_accuracies(drafter, sequences, [6, 6], top=5)
     assert len(accuracies) == 3 and all(len(row) == 5 for row in accuracies)
     assert all(0.0 <= sum(row) <= 1.0 + 1e-6 for row in accuracies)
+
+
+def test_draft_vocab_subset(setup):
+    lean, heads, shared = setup
+    vocab = torch.arange(1, 128, 2)  # odd token ids only
+    for which in (heads, shared):
+        drafter = MedusaDrafter(which, lean, MC_SIM_7B_63, draft_vocab=vocab)
+        for prompt in prompts(2):
+            assert speculative_generate(lean, drafter, prompt, 12).tokens == plain_generate(lean, prompt, 12).tokens
+        out = lean(prompts(1)[0], lean.new_cache(), hidden_layers=(-1,), logits="last")
+        state = DraftState(torch.cat([prompts(1)[0], torch.tensor([7])]), 6, out.hidden, lean.config.num_layers,
+                           SamplingConfig())
+        assert all(t % 2 == 1 for t in drafter.propose(state).tokens.tolist())
+    drafter = MedusaDrafter(heads, lean, [(0,), (0, 0)], draft_vocab=vocab)
+    sequences = [torch.cat([p, torch.tensor(plain_generate(lean, p, 12).tokens)]) for p in prompts(2)]
+    assert all(0.0 <= sum(row) <= 1.0 + 1e-6 for row in measure_rank_accuracies(drafter, sequences, [6, 6], top=5))
