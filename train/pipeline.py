@@ -104,8 +104,9 @@ def run_job(job: JobConfig) -> dict:
         runtime = (summary.get("eval") or {}).get("recommended_runtime")
         if runtime:
             extra["runtime"] = runtime
-        paths = export_all(head, head_config, job.export.formats, run_dir / "export", target, job.export.dtype,
-                           manifest_extra=extra)
+        out_root = Path(job.export.out) if job.export.out else run_dir / "export"
+        paths = export_all(head, head_config, job.export.formats, out_root, target, job.export.dtype,
+                           job.export.native_dtype, extra, job.export.strict_fingerprint)
         summary["export"] = {fmt: str(path) for fmt, path in paths.items()}
         for fmt, path in paths.items():
             log.info("exported %s -> %s", fmt, path)

@@ -19,7 +19,7 @@ ALLOWED = {
 # Entry points orchestrate stages: they may reach further.
 ENTRY_ALLOWED = {
     "train": {"heads", "data", "eval", "export"},
-    "eval": {"heads", "data"},
+    "eval": {"heads", "data", "export"},
     "export": {"heads"},
 }
 # The job schema composes every group's config dataclass, and the pipeline runs every stage.
