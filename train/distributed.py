@@ -216,7 +216,8 @@ def _zero_optimizer(optimizer):
 
 def gather_head_state(accelerator, model, optimizer) -> dict[str, torch.Tensor]:
     """Full fp32 weights and optimizer moments of the trained parameters, by name:
-    `param.<name>`, `<moment>.<name>` (exp_avg, exp_avg_sq) and `step`. Collective under ZeRO:
+    `param.<name>`, `<moment>.<name>` (exp_avg, exp_avg_sq), `step` and each param group's current
+    learning rate `group<i>.lr` (float64). Collective under ZeRO:
     every process calls it; the result is the same on all of them."""
     state: dict[str, torch.Tensor] = {}
     if _is_deepspeed(accelerator):
@@ -241,13 +242,19 @@ def gather_head_state(accelerator, model, optimizer) -> dict[str, torch.Tensor]:
                 elif torch.is_tensor(value) and value.shape == p.shape:
                     state[f"{key}.{name}"] = value.detach().cpu().float().clone()
     state["step"] = torch.tensor(float(step))
+    for index, group in enumerate(optimizer.param_groups):  # the scheduled lr of the last step
+        state[f"group{index}.lr"] = torch.tensor(float(group["lr"]), dtype=torch.float64)
     return state
 
 
 def _moments(state: dict[str, torch.Tensor], name: str) -> dict[str, torch.Tensor]:
-    suffix = "." + name
-    return {key[: -len(suffix)]: value for key, value in state.items()
-            if key.endswith(suffix) and not key.startswith("param.")}
+    """{moment: tensor} of one parameter; keys are `<moment>.<name>`, moments have no dots."""
+    moments = {}
+    for key, value in state.items():
+        moment, _, rest = key.partition(".")
+        if rest == name and moment != "param":
+            moments[moment] = value
+    return moments
 
 
 @torch.no_grad()
@@ -258,6 +265,9 @@ def restore_head_state(accelerator, model, optimizer, state: dict[str, torch.Ten
     if missing:
         raise KeyError(f"head state lacks {missing[:4]}{'...' if len(missing) > 4 else ''}")
     step = state["step"].float()
+    for index, group in enumerate(optimizer.param_groups):
+        if f"group{index}.lr" in state:
+            group["lr"] = float(state[f"group{index}.lr"])
     if not _is_deepspeed(accelerator):
         base = getattr(optimizer, "optimizer", optimizer)
         for name, p in params:
