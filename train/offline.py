@@ -1,12 +1,27 @@
-"""Offline mode: a `FeatureSource` that reads the feature cache (data/feature_cache.py) instead of
-running the frozen target, so `train_heads(..., source=OfflineFeatures(cache))` trains on cached
-hidden states with the same losses as online mode.
+"""The data stage's offline products, seen from the training side.
+
+- Offline mode: `offline_source(job, target, prepared)` writes (or resumes) the feature cache
+  (data/feature_cache.py) and returns `OfflineFeatures`, a `FeatureSource` that reads it instead
+  of running the target, with the same losses as online mode.
+- Self-distillation: `regenerate_data(job, target)` rewrites the assistant turns with the target
+  (data/regenerate.py), using the lean runtime's `plain_generate` when available, and returns the
+  ShareGPT JSONL that `data.source` should point to.
+
+Under torchrun every rank calls these; ranks write disjoint shards and meet on the files
+(no process group exists yet at this stage), so a shared filesystem is assumed across nodes.
 """
 from __future__ import annotations
 
+import logging
+import os
+import time
+from pathlib import Path
+
 import torch
 
-from data.feature_cache import FeatureCache
+from data.feature_cache import FeatureCache, shard_name, write_feature_cache, write_index
+
+log = logging.getLogger(__name__)
 
 
 class OfflineFeatures:
@@ -37,3 +52,97 @@ class OfflineFeatures:
                 out = torch.zeros(B, T, hidden.shape[-1], dtype=self.dtype)  # (B, T, D)
             out[b, :n] = hidden.to(self.dtype)
         return out.to(ids.device)
+
+
+def _rank_world() -> tuple[int, int]:
+    return int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def _wait_for(paths: list[Path], what: str, poll_seconds: float = 2.0) -> None:
+    """File barrier: other ranks are still writing their shards."""
+    last_log = time.time()
+    while True:
+        missing = [p for p in paths if not p.exists()]
+        if not missing:
+            return
+        if time.time() - last_log > 60:
+            log.info("waiting for %d %s from other ranks (e.g. %s)", len(missing), what, missing[0].name)
+            last_log = time.time()
+        time.sleep(poll_seconds)
+
+
+def feature_cache_dir(job) -> Path:
+    return Path(job.data.feature_cache_dir or Path(job.trainer.output_dir) / "features")
+
+
+def offline_source(job, target, prepared, layer: int = -1) -> OfflineFeatures:
+    """Build (or finish) the feature cache of prepared.train + prepared.eval and read it back.
+    Prints the size estimate first; refuses when the disk cannot hold it."""
+    directory = feature_cache_dir(job)
+    rows = list(prepared.train) + list(prepared.eval)
+    rank, world = _rank_world()
+    pad_id = target.config.pad_token_id if target.config.pad_token_id is not None else 0
+    write_feature_cache(directory, target, rows, layers=(layer,), dtype=job.data.feature_cache_dtype,
+                        shard_records=job.data.feature_shard_records, batch_size=job.trainer.batch_size,
+                        pad_id=pad_id, rank=rank, world_size=world, target_fingerprint=target.fingerprint(),
+                        device=target.device)
+    shards = -(-len(rows) // job.data.feature_shard_records)
+    _wait_for([directory / shard_name(s) for s in range(shards)], "feature shards")
+    if rank == 0:
+        write_index(directory)
+    _wait_for([directory / "index.json"], "feature index")
+    return OfflineFeatures(FeatureCache(directory), layer=layer, dtype=target.dtype)
+
+
+def runtime_generate_fn(target, max_seq_len: int = 4096):
+    """A data.regenerate.GenerateFn on the lean runtime (eval.model + eval.generate.plain_generate):
+    one prompt at a time with a preallocated KV cache, ~1.5x transformers' generate on CPU."""
+    from eval.generate import plain_generate
+    from eval.model import LeanLlama
+    from eval.sampling import SamplingConfig
+
+    lean = LeanLlama.from_hf(target.model, max_seq_len=max_seq_len)
+    eos = _eos_ids(target)
+
+    def generate(prompts: list[list[int]], max_new_tokens: int, temperature: float) -> list[list[int]]:
+        sampling = SamplingConfig(temperature=temperature)
+        return [plain_generate(lean, torch.tensor(p, dtype=torch.long), max_new_tokens, sampling, eos).tokens
+                for p in prompts]
+
+    return generate
+
+
+def _eos_ids(target) -> list[int]:
+    eos = getattr(target.model.generation_config, "eos_token_id", None) or target.config.eos_token_id
+    return [eos] if isinstance(eos, int) else list(eos or [])
+
+
+def regenerate_data(job, target, generate_fn=None) -> Path:
+    """Self-distillation stage: regenerate the assistant turns of `data.source` with the target into
+    data.regenerate.output_dir (default <run_dir>/regenerated); returns regenerated.jsonl, for
+    `data.source`. Resumes at the first missing shard."""
+    from data.regenerate import hf_generate_fn, merge_shards, regenerate
+    from data.sources import load_conversations
+
+    config = job.data.regenerate
+    directory = Path(config.output_dir or Path(job.trainer.output_dir) / "regenerated")
+    conversations, _ = load_conversations(job.data)
+    limit = job.data.max_records or len(conversations)
+    records = [conversations[i] for i in range(min(limit, len(conversations)))]
+    if generate_fn is None:
+        try:
+            generate_fn = runtime_generate_fn(target, job.data.max_length + config.max_new_tokens)
+        except (ImportError, NotImplementedError, ValueError) as error:
+            log.info("lean runtime unavailable (%s); regenerating with transformers generate", error)
+            pad = target.config.pad_token_id if target.config.pad_token_id is not None else 0
+            generate_fn = hf_generate_fn(target.model, pad, _eos_ids(target))
+    rank, world = _rank_world()
+    regenerate(records, target.tokenizer, generate_fn, directory, config, max_prompt_tokens=job.data.max_length,
+               rank=rank, world_size=world, seed=job.trainer.seed)
+    shards = -(-len(records) // config.shard_size)
+    _wait_for([directory / f"regenerated-{s:05d}.jsonl" for s in range(shards)], "regenerated shards")
+    merged = directory / "regenerated.jsonl"
+    if rank == 0:
+        merge_shards(directory, len(records), config.shard_size)
+    _wait_for([merged], "merged regenerated data")
+    return merged
