@@ -51,6 +51,7 @@ class Plan:
     records_assumed: bool
     steps_per_epoch: int
     global_batch: int  # sequences per optimizer step, all processes
+    max_steps: int = 0
     feature_extraction: list[Item] = field(default_factory=list)  # offline mode only
     extraction_replicas_per_node: int = 0
     training: list[Item] = field(default_factory=list)
@@ -216,7 +217,7 @@ def make_plan(job: JobConfig, num_records: int | None = None, tokens_per_record:
         frozen_head_parameters=frozen, target_parameters=target_parameter_count(arch), world_size=world,
         num_records=num_records, tokens_per_record=tokens_per_record, records_assumed=assumed,
         steps_per_epoch=max(1, math.ceil(num_records / global_batch)), global_batch=global_batch,
-        training=training, gpu_budget_gb=budget,
+        training=training, gpu_budget_gb=budget, max_steps=trainer.max_steps,
     )
     if offline:
         span = _target_placement(job, target_gb, budget, forward_gb)
@@ -276,7 +277,8 @@ def format_plan(plan: Plan) -> str:
         f"  target parameters: {plan.target_parameters:,}",
         f"  data: {plan.num_records:,} records{' (assumed)' if plan.records_assumed else ''}, "
         f"~{plan.tokens_per_record:,.0f} tokens each (estimate)",
-        f"  steps per epoch: {plan.steps_per_epoch:,} (global batch {plan.global_batch:,} sequences per optimizer step)",
+        f"  steps per epoch: {plan.steps_per_epoch:,} (global batch {plan.global_batch:,} sequences per optimizer step); "
+        f"trainer.max_steps {plan.max_steps:,} = {plan.max_steps / plan.steps_per_epoch:,.1f} epochs",
     ]
     if plan.feature_extraction:
         lines.append(f"  feature extraction, per GPU ({plan.extraction_gb:.1f} / {plan.gpu_budget_gb:.1f} GB usable):")
