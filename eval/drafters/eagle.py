@@ -48,6 +48,7 @@ class EagleDrafter:
         self.mode, self.depth, self.top_k, self.total_tokens = mode, depth, top_k, total_tokens
         self.dtype = next(head.parameters()).dtype
         self.past: tuple[torch.Tensor, torch.Tensor] | None = None  # (k, v) each (1, nKV, C, hd)
+        self.catch_up_output: torch.Tensor | None = None
         self.vocab = None if draft_vocab is None else torch.as_tensor(draft_vocab, dtype=torch.long)
         weight_t = target.lm_head.weight_t  # (D, V)
         self.projection = weight_t if self.vocab is None else weight_t[:, self.vocab].contiguous()  # (D, Vd)
@@ -82,7 +83,8 @@ class EagleDrafter:
         positions = torch.arange(start, length - 1)[None]
         out, self.past = self.head(embeds, features.to(self.dtype)[None], positions,
                                    past_key_values=self.past, use_cache=True)
-        return out[0, -1]
+        self.catch_up_output = out[0, -1]  # (D,) f̂_{T-1}, kept for inspection
+        return self.catch_up_output
 
     @torch.no_grad()
     def propose(self, state: DraftState) -> Candidates:

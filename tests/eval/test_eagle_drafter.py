@@ -158,3 +158,31 @@ def test_draft_vocab_subset_stays_lossless_and_in_vocabulary(setup):
     state.sampling, state.generator = SamplingConfig(temperature=1.0), torch.Generator().manual_seed(0)
     candidates = drafter.propose(state)
     assert candidates.draft_probs.shape == (2, 128) and float(candidates.draft_probs[:, 1::2].sum()) == 0.0
+
+
+@torch.no_grad()
+def test_tree_scores_equal_sequential_chain_log_probs(setup):
+    """Each tree node's score equals the cumulative log-probability of its path computed one token
+    at a time without a tree mask: checks the batched expansion's mask, positions and features."""
+    lean, _, warm_head = setup
+    prompt = prompts(1)[0]
+    drafter = EagleDrafter(warm_head, lean, mode="tree", depth=4, top_k=3, total_tokens=20)
+    drafter.reset(prompt)
+    state = _state_after_prefill(lean, prompt)
+    candidates = drafter.propose(state)
+    committed, length = drafter.past, state.tokens.shape[0]
+    root_feature = drafter.catch_up_output  # f̂_{T-1} of the last catch-up
+    parents, tokens = candidates.parents.tolist(), candidates.tokens.tolist()
+    for node, score in enumerate(candidates.info["scores"]):
+        path = [node]
+        while parents[path[0]] >= 0:
+            path.insert(0, parents[path[0]])
+        feature, past, total = root_feature, committed, 0.0
+        for i, step in enumerate(path):
+            logp = torch.log_softmax(lean.lm_head(feature[None]).float(), dim=-1)[0]
+            total += float(logp[tokens[step]])
+            embed = lean.embedding[torch.tensor([[tokens[step]]])]
+            out, past = warm_head(embed, feature[None, None], torch.tensor([[length - 1 + i]]), past_key_values=past,
+                                  use_cache=True)
+            feature = out[0, -1]
+        assert abs(total - score) < 1e-4, (node, total, score)
