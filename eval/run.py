@@ -268,6 +268,8 @@ def _assemble(methods: list[Method], summaries: dict, runtime: RuntimeConfig, ta
                "sweep": method.sweep, "settings": method.settings, **summaries[method.name]}
         row["speedup_vs_plain"] = row["tokens_per_second"] / plain if plain else None
         row["speedup_vs_transformers"] = row["tokens_per_second"] / hf if hf else None
+        if plain and row.get("verify_ms_per_step") is not None:  # cost of one verification in plain steps
+            row["verify_cost_in_plain_steps"] = row["verify_ms_per_step"] * plain / 1000.0
         rows.append(row)
     baselines = {"plain": summaries["plain"]}
     if "transformers" in summaries:
