@@ -3,9 +3,10 @@
 - Offline mode: `offline_source(job, target, prepared)` writes (or resumes) the feature cache
   (data/feature_cache.py) and returns `OfflineFeatures`, a `FeatureSource` that reads it instead
   of running the target, with the same losses as online mode.
-- Self-distillation: `regenerate_data(job, target)` rewrites the assistant turns with the target
-  (data/regenerate.py), using the lean runtime's `plain_generate` when available, and returns the
-  ShareGPT JSONL that `data.source` should point to.
+- Self-distillation: `regenerate_data(job, target, generate_fn=None)` rewrites the assistant turns
+  with the target (data/regenerate.py) and returns the ShareGPT JSONL that `data.source` should
+  point to. The orchestrator (train/pipeline.py) may pass the lean runtime's generator (library
+  modules of train/ do not import eval/); the default is transformers' `generate`.
 
 Under torchrun every rank calls these; ranks write disjoint shards and meet on the files
 (no process group exists yet at this stage), so a shared filesystem is assumed across nodes.
@@ -94,24 +95,6 @@ def offline_source(job, target, prepared, layer: int = -1) -> OfflineFeatures:
     return OfflineFeatures(FeatureCache(directory), layer=layer, dtype=target.dtype)
 
 
-def runtime_generate_fn(target, max_seq_len: int = 4096):
-    """A data.regenerate.GenerateFn on the lean runtime (eval.model + eval.generate.plain_generate):
-    one prompt at a time with a preallocated KV cache, ~1.5x transformers' generate on CPU."""
-    from eval.generate import plain_generate
-    from eval.model import LeanLlama
-    from eval.sampling import SamplingConfig
-
-    lean = LeanLlama.from_hf(target.model, max_seq_len=max_seq_len)
-    eos = _eos_ids(target)
-
-    def generate(prompts: list[list[int]], max_new_tokens: int, temperature: float) -> list[list[int]]:
-        sampling = SamplingConfig(temperature=temperature)
-        return [plain_generate(lean, torch.tensor(p, dtype=torch.long), max_new_tokens, sampling, eos).tokens
-                for p in prompts]
-
-    return generate
-
-
 def _eos_ids(target) -> list[int]:
     eos = getattr(target.model.generation_config, "eos_token_id", None) or target.config.eos_token_id
     return [eos] if isinstance(eos, int) else list(eos or [])
@@ -130,12 +113,8 @@ def regenerate_data(job, target, generate_fn=None) -> Path:
     limit = job.data.max_records or len(conversations)
     records = [conversations[i] for i in range(min(limit, len(conversations)))]
     if generate_fn is None:
-        try:
-            generate_fn = runtime_generate_fn(target, job.data.max_length + config.max_new_tokens)
-        except (ImportError, NotImplementedError, ValueError) as error:
-            log.info("lean runtime unavailable (%s); regenerating with transformers generate", error)
-            pad = target.config.pad_token_id if target.config.pad_token_id is not None else 0
-            generate_fn = hf_generate_fn(target.model, pad, _eos_ids(target))
+        pad = target.config.pad_token_id if target.config.pad_token_id is not None else 0
+        generate_fn = hf_generate_fn(target.model, pad, _eos_ids(target))
     rank, world = _rank_world()
     regenerate(records, target.tokenizer, generate_fn, directory, config, max_prompt_tokens=job.data.max_length,
                rank=rank, world_size=world, seed=job.trainer.seed)

@@ -3,12 +3,11 @@ import json
 
 import torch
 
-from data.regenerate import hf_generate_fn
 from tests.scale.test_regenerate import ToyTokenizer
 from tests.tiny import tiny_target
 from tests.train.loop_fixtures import tiny_data, tiny_job
 from train.objectives import OnlineFeatures
-from train.offline import offline_source, regenerate_data, runtime_generate_fn
+from train.offline import offline_source, regenerate_data
 
 
 def test_offline_source_builds_the_cache_once_and_serves_online_features(tmp_path):
@@ -31,14 +30,6 @@ def test_offline_source_builds_the_cache_once_and_serves_online_features(tmp_pat
     stamp = shards[0].stat().st_mtime_ns
     offline_source(job, target, data)  # a second run finds every shard and rewrites none
     assert shards[0].stat().st_mtime_ns == stamp
-
-
-def test_runtime_generator_matches_transformers_greedy():
-    target = tiny_target()
-    prompts = [[5, 9, 33, 7], [11, 4]]
-    lean = runtime_generate_fn(target, max_seq_len=64)(prompts, 6, 0.0)
-    reference = hf_generate_fn(target.model, 0, [2])
-    assert lean == [reference([p], 6, 0.0)[0] for p in prompts]
 
 
 def test_regenerate_stage_writes_a_sharegpt_jsonl_for_data_source(tmp_path):
