@@ -5,6 +5,7 @@ that stopped can be run again with the stages it still needs (`stages=[eval,expo
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import platform
@@ -65,6 +66,13 @@ def run_job(job: JobConfig) -> dict:
     summary: dict = {"recipe": job.recipe, "target": target.name, "fingerprint": target.fingerprint(),
                      "hardware": hardware()}
 
+    if "regenerate" in job.stages or job.data.regenerate.enabled:
+        from train.offline import regenerate_data
+
+        regenerated = regenerate_data(job, target)
+        summary["regenerated"] = str(regenerated)
+        job = dataclasses.replace(job, data=dataclasses.replace(job.data, source=str(regenerated), format="jsonl"))
+
     prepared = None
     if {"data", "train", "features"} & set(job.stages):
         from data.pipeline import prepare_data
@@ -73,7 +81,7 @@ def run_job(job: JobConfig) -> dict:
         summary["data"] = prepared.stats
 
     source = None
-    if job.data.mode == "offline" and "train" in job.stages:
+    if job.data.mode == "offline" and {"train", "features"} & set(job.stages):
         from train.offline import offline_source
 
         source = offline_source(job, target, prepared)
