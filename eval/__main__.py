@@ -102,7 +102,7 @@ def run(cfg: EvalEntryConfig) -> dict:
     draft_vocab = None
     if runtime.draft_vocab_size and head is not None:
         draft_vocab = frequent_token_ids(training_reply_tokens(cfg.data, target.tokenizer), runtime.draft_vocab_size)
-        log.info("EAGLE draft vocabulary: the %d most frequent tokens of training replies", len(draft_vocab))
+        log.info("draft vocabulary: the %d most frequent tokens of training replies", len(draft_vocab))
     logger = cfg.logger or {}
     if logger.get("kind") == "wandb" and logger.get("mode") != "disabled":
         import wandb

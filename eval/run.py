@@ -30,7 +30,7 @@ log = logging.getLogger(__name__)
 
 DRAFTERS = ("medusa", "eagle_chain", "eagle_tree", "prompt_lookup", "self_speculation", "draft_model")
 HEAD_DRAFTERS = {"medusa": MedusaHeads, "eagle_chain": EagleHead, "eagle_tree": EagleHead}
-MEDUSA_AUTO_NODES = 32  # node budget of the tree built from measured accuracies (small trees pay on a CPU)
+MEDUSA_AUTO_SIZES = (4, 8, 16, 32, 64)  # candidate node budgets for the tree built from measured accuracies
 CALIBRATION_PROMPTS = 4
 
 
@@ -68,7 +68,7 @@ def _draft_cost(lean: LeanLlama, layers: int) -> float:
 
 def _medusa_choices(heads: MedusaHeads, lean: LeanLlama, runtime: RuntimeConfig, prompts, eos, draft_vocab):
     if runtime.medusa_choices != "auto":
-        return parse_choices(runtime.medusa_choices), None
+        return parse_choices(runtime.medusa_choices), {}
     chain = [(0,) * (k + 1) for k in range(heads.config.num_heads)]
     probe = MedusaDrafter(heads, lean, chain, draft_vocab)
     sequences, lengths = [], []
@@ -77,11 +77,35 @@ def _medusa_choices(heads: MedusaHeads, lean: LeanLlama, runtime: RuntimeConfig,
         sequences.append(torch.cat([prompt, torch.tensor(tokens)]))
         lengths.append(prompt.shape[0])
     accuracies = measure_rank_accuracies(probe, sequences, lengths, top=10)
-    choices = build_tree_from_accuracies(accuracies, MEDUSA_AUTO_NODES)
-    log.info("medusa tree from measured rank accuracies (calibration on %d prompts that are also measured): "
-             "%d nodes, expected accepted drafts %.2f", len(sequences), len(choices),
-             expected_acceptance(choices, accuracies))
-    return choices, accuracies
+    costs = verify_costs(lean, prompts[0], (1, *(n + 1 for n in MEDUSA_AUTO_SIZES)))  # root + n nodes
+    trees = {n: build_tree_from_accuracies(accuracies, n) for n in MEDUSA_AUTO_SIZES}
+    value = {n: (1.0 + expected_acceptance(tree, accuracies)) * costs[1] / costs[n + 1] for n, tree in trees.items()}
+    best = max(value, key=value.get)
+    choices = trees[best]
+    log.info("medusa tree from measured rank accuracies (calibration on %d prompts that are also measured) and "
+             "verification costs: %d nodes, expected accepted drafts %.2f, expected tokens per plain step %.2f "
+             "(sizes tried: %s)", len(sequences), len(choices), expected_acceptance(choices, accuracies), value[best],
+             {n: round(v, 2) for n, v in value.items()})
+    return choices, {"rank_accuracies": accuracies, "tokens_per_plain_step_by_size": value,
+                     "verify_seconds_by_tokens": costs}
+
+
+@torch.no_grad()
+def verify_costs(lean: LeanLlama, prompt: torch.Tensor, sizes: Sequence[int], repeats: int = 3) -> dict[int, float]:
+    """Median seconds of one target forward over n new tokens after `prompt`, for each n in sizes."""
+    cache = lean.new_cache(prompt.shape[0] + max(sizes) + 1)
+    lean(prompt, cache, logits="none")
+    cache.commit()
+    costs = {}
+    for n in sizes:
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            lean(prompt[:1].repeat(n), cache)
+            times.append(time.perf_counter() - start)
+            cache.truncate(cache.length)
+        costs[n] = sorted(times)[len(times) // 2]
+    return costs
 
 
 def build_methods(names: Sequence[str], runtime: RuntimeConfig, lean: LeanLlama, head=None, prompts=(),
@@ -119,8 +143,8 @@ def build_methods(names: Sequence[str], runtime: RuntimeConfig, lean: LeanLlama,
                     methods.append(Method(f"eagle_tree@{size}", _eagle(head, lean, "tree", runtime, size, draft_vocab),
                                           settings={**tree, "total_tokens": size}, sweep=True))
         elif name == "medusa":
-            choices, accuracies = _medusa_choices(head, lean, runtime, prompts, eos, draft_vocab)
-            extra["medusa"] = {"choices": [list(c) for c in choices], "rank_accuracies": accuracies}
+            choices, calibration = _medusa_choices(head, lean, runtime, prompts, eos, draft_vocab)
+            extra["medusa"] = {"choices": [list(c) for c in choices], **calibration}
             verification = "typical" if runtime.typical_acceptance else "lossless"
             vocab = {} if draft_vocab is None else {"draft_vocab": len(draft_vocab)}
             methods.append(Method(name, lambda choices=choices: MedusaDrafter(head, lean, choices, draft_vocab),

@@ -52,7 +52,8 @@ def test_evaluate_medusa_with_auto_tree_and_lossy_typical(target, tmp_path):
                       out_dir=tmp_path, progress=False)
     (row,) = report["drafters"]
     assert row["lossy"] is True and "greedy_identical" not in row
-    assert 1 <= len(report["medusa"]["choices"]) <= 32
+    assert len(report["medusa"]["choices"]) in (4, 8, 16, 32, 64)
+    assert set(report["medusa"]["tokens_per_plain_step_by_size"]) == {4, 8, 16, 32, 64}
     assert "typical (LOSSY)" in (tmp_path / "report.md").read_text()
     assert report["recommended_runtime"] == {"medusa_choices": report["medusa"]["choices"]}
 
