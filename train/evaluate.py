@@ -79,8 +79,9 @@ def eagle_unroll(head: nn.Module, parts: FrozenParts, ids: torch.Tensor, feature
 
 @torch.no_grad()
 def eagle_eval_counts(head: nn.Module, parts: FrozenParts, batch: dict, features: torch.Tensor,
-                      steps: int) -> torch.Tensor:
-    """(steps, 3) float counts of [top-1 hits, top-5 hits, positions] for one batch."""
+                      steps: int, truths: list | None = None) -> torch.Tensor:
+    """(steps, 3) float counts of [top-1 hits, top-5 hits, positions] for one batch. `truths`: a
+    list kept by the caller between evaluations of the same batch (the target's greedy tokens)."""
     ids = batch["input_ids"]  # (B, T)
     n = ids.shape[1] - 1
     counts = torch.zeros(steps, 3, device=ids.device)
@@ -88,27 +89,39 @@ def eagle_eval_counts(head: nn.Module, parts: FrozenParts, batch: dict, features
     for j, predicted in enumerate(eagle_unroll(head, parts, ids, features, steps)):
         valid = torch.zeros_like(base_mask)  # chain t at step j predicts the token after position t+1+j
         valid[:, : n - j] = base_mask[:, j:]
-        truth_features = torch.zeros_like(features[:, 1:])  # f_{t+1+j}
-        truth_features[:, : n - j] = features[:, 1 + j:]
-        truth = _greedy(truth_features[valid], parts.lm_head_weight)
+        if truths is None or len(truths) <= j:
+            truth_features = torch.zeros_like(features[:, 1:])  # f_{t+1+j}
+            truth_features[:, : n - j] = features[:, 1 + j:]
+            truth = _greedy(truth_features[valid], parts.lm_head_weight)
+            if truths is not None:
+                truths.append(truth)
+        else:
+            truth = truths[j]
         _count(counts, j, F.linear(predicted[valid], parts.lm_head_weight), truth)
     return counts
 
 
 @torch.no_grad()
-def medusa_eval_counts(heads: nn.Module, parts: FrozenParts, batch: dict, features: torch.Tensor) -> torch.Tensor:
-    """(K, 3) float counts of [top-1 hits, top-5 hits, positions] for one batch."""
+def medusa_eval_counts(heads: nn.Module, parts: FrozenParts, batch: dict, features: torch.Tensor,
+                       truths: list | None = None) -> torch.Tensor:
+    """(K, 3) float counts of [top-1 hits, top-5 hits, positions] for one batch (`truths`: as for EAGLE)."""
     module = getattr(heads, "module", heads)
     hidden = heads(features)  # (K, B, T, D)
     K, T = hidden.shape[0], features.shape[1]
     counts = torch.zeros(K, 3, device=features.device)
     for k in range(K):
         valid = medusa_position_mask(batch["loss_mask"], k, batch["attention_mask"])  # (B, T)
-        truth_features = torch.zeros_like(features)  # f_{t+k+1}
-        if k + 1 < T:
-            truth_features[:, : T - (k + 1)] = features[:, k + 1:]
-        truth = _greedy(truth_features[valid], parts.lm_head_weight)
-        _count(counts, k, F.linear(hidden[k][valid], module.lm_head_weight(k, parts.lm_head_weight)), truth)
+        if truths is None or len(truths) <= k:
+            truth_features = torch.zeros_like(features)  # f_{t+k+1}
+            if k + 1 < T:
+                truth_features[:, : T - (k + 1)] = features[:, k + 1:]
+            truth = _greedy(truth_features[valid], parts.lm_head_weight)
+            if truths is not None:
+                truths.append(truth)
+        else:
+            truth = truths[k]
+        weight = module.lm_head_weight(k, parts.lm_head_weight)
+        _count(counts, k, F.linear(hidden[k][valid], weight), truth)
     return counts
 
 
@@ -127,16 +140,18 @@ def summarize(counts: torch.Tensor, kind: str) -> dict[str, float]:
 
 @torch.no_grad()
 def run_eval(head: nn.Module, kind: str, parts: FrozenParts, source, batches, eagle_steps: int,
-             shape: tuple[int, int], reduce=None) -> dict[str, float]:
+             shape: tuple[int, int], reduce=None, cache: dict | None = None) -> dict[str, float]:
     """Sum counts (shape (steps or K, 3)) over `batches` (this process's share, maybe empty),
-    `reduce(counts)` sums them across processes (None: one process), and summarize."""
+    `reduce(counts)` sums them across processes (None: one process), and summarize. `cache`: a
+    dict kept between evaluations of the same batches (the target's greedy tokens per batch)."""
     counts = torch.zeros(shape, device=parts.lm_head_weight.device)
-    for batch in batches:
+    for index, batch in enumerate(batches):
         features = source(batch)
+        truths = cache.setdefault(index, []) if cache is not None else None
         if kind == "eagle":
-            c = eagle_eval_counts(head, parts, batch, features, eagle_steps)
+            c = eagle_eval_counts(head, parts, batch, features, eagle_steps, truths)
         else:
-            c = medusa_eval_counts(head, parts, batch, features)
+            c = medusa_eval_counts(head, parts, batch, features, truths)
         counts[: c.shape[0]] += c
     if reduce is not None:
         counts = reduce(counts)

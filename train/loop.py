@@ -158,6 +158,7 @@ def train_heads(job, target, data, source: FeatureSource | None = None, accelera
     options = job.heads.eagle if kind == "eagle" else job.heads.medusa
     eval_rows = job.heads.eagle.eval_steps if kind == "eagle" else job.heads.medusa.num_heads
     best_step = state["best"]["step"] if state["best"] else None
+    eval_cache: dict = {}  # the target's greedy tokens on the held-out batches, computed once
     last_saved = resume
 
     def reduce(tensor):
@@ -167,7 +168,7 @@ def train_heads(job, target, data, source: FeatureSource | None = None, accelera
         model = accelerator.unwrap_model(head).eval()
         with accelerator.autocast():
             metrics = run_eval(model, kind, parts, eval_source, held_out, job.heads.eagle.eval_steps, (eval_rows, 3),
-                               reduce)
+                               reduce, eval_cache)
         head.train()
         return metrics
 

@@ -86,3 +86,15 @@ def test_medusa_counts_shapes(target):
     assert counts.shape == (3, 3)
     assert counts[:, 2].tolist() == [18.0, 18.0, 16.0]
     assert (counts[:, 0] <= counts[:, 1]).all()
+
+
+def test_cached_truths_give_the_same_counts(target):
+    batch = _batch()
+    features = OnlineFeatures(target)(batch)
+    parts = FrozenParts.from_target(target)
+    head = EagleHead(EagleConfig.from_target(target)).eval()
+    truths: list = []
+    first = eagle_eval_counts(head, parts, batch, features, 3, truths)
+    assert len(truths) == 3
+    torch.testing.assert_close(eagle_eval_counts(head, parts, batch, features, 3, truths), first)
+    torch.testing.assert_close(eagle_eval_counts(head, parts, batch, features, 3), first)
