@@ -35,10 +35,11 @@ def _family_model(family: str):
 FAMILIES = ["llama_gqa", "llama_tied_mha", "qwen2_bias", "qwen3_qk_norm", "mistral"]
 
 
+@pytest.mark.parametrize("fuse", [False, True])
 @pytest.mark.parametrize("family", FAMILIES)
-def test_logits_match_transformers_in_chunks(family):
+def test_logits_match_transformers_in_chunks(family, fuse):
     hf = _family_model(family)
-    lean = LeanLlama.from_hf(hf, max_seq_len=64)
+    lean = LeanLlama.from_hf(hf, max_seq_len=64, fuse_projections=fuse)
     ids = torch.randint(0, hf.config.vocab_size, (21,))
     with torch.no_grad():
         expected = hf(ids[None]).logits[0]
@@ -59,6 +60,8 @@ def test_logits_match_transformers_in_chunks(family):
 def test_qkv_bias_and_qk_norm_are_loaded():
     qwen2 = LeanLlama.from_hf(_family_model("qwen2_bias"))
     assert qwen2.blocks[0].attention.q_proj.bias is not None and qwen2.blocks[0].attention.q_norm is None
+    fused = LeanLlama.from_hf(_family_model("qwen2_bias"), fuse_projections=True).blocks[0].attention
+    assert fused.qkv_proj.bias.shape == (64 + 2 * 32,) and not hasattr(fused, "q_proj")
     qwen3 = LeanLlama.from_hf(_family_model("qwen3_qk_norm"))
     assert qwen3.blocks[0].attention.q_norm is not None and qwen3.config.head_dim == 32
 
