@@ -1,4 +1,4 @@
-"""Multi-process training on CPU (gloo): DDP and DeepSpeed ZeRO-2 in 2 processes match 1 process
+"""Multi-process training on CPU (gloo): DDP and DeepSpeed ZeRO-2/3 in 2 processes match 1 process
 with the same global batch, and head state saved by any layout resumes in any other.
 
 Tolerance: the runs are fp32 and differ only in reduction order (all-reduce of two half-batch
@@ -81,6 +81,7 @@ def runs(tmp_path_factory):
     results |= _launch(2, tmp / "two.json", [
         {"name": "ddp", "steps": 4, "save_at": 2, "save": state("ddp")},
         {"name": "zero2", "deepspeed": 2, "steps": 4, "save_at": 2, "save": state("zero2")},
+        {"name": "zero3", "deepspeed": 3, "steps": 4},
         {"name": "ddp_from_single", "steps": 4, "resume": state("single")},
         {"name": "zero2_from_single", "deepspeed": 2, "steps": 4, "resume": state("single")}], env)
     results |= _launch(1, tmp / "resume.json", [
@@ -91,7 +92,7 @@ def runs(tmp_path_factory):
 
 
 @pytest.mark.integration
-@pytest.mark.parametrize("layout", ["ddp", "zero2"])
+@pytest.mark.parametrize("layout", ["ddp", "zero2", "zero3"])
 def test_two_processes_match_one_process(runs, layout):
     assert runs[layout]["world"] == 2 and runs["single"]["world"] == 1
     assert runs[layout]["losses"] == pytest.approx(runs["single"]["losses"], rel=RTOL)
