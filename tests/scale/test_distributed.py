@@ -81,9 +81,9 @@ def runs(tmp_path_factory):
     results |= _launch(2, tmp / "two.json", [
         {"name": "ddp", "steps": 4, "save_at": 2, "save": state("ddp")},
         {"name": "zero2", "deepspeed": 2, "steps": 4, "save_at": 2, "save": state("zero2")},
-        {"name": "zero3", "deepspeed": 3, "steps": 4},
         {"name": "ddp_from_single", "steps": 4, "resume": state("single")},
-        {"name": "zero2_from_single", "deepspeed": 2, "steps": 4, "resume": state("single")}], env)
+        {"name": "zero2_from_single", "deepspeed": 2, "steps": 4, "resume": state("single")},
+        {"name": "zero3", "deepspeed": 3, "steps": 4}], env)  # last: ZeRO-3 leaves hooks in the process
     results |= _launch(1, tmp / "resume.json", [
         {"name": "single_from_ddp", "steps": 4, "resume": state("ddp")},
         {"name": "single_from_zero2", "steps": 4, "resume": state("zero2")}], env)

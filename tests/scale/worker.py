@@ -67,9 +67,9 @@ def run(scenario: dict, world: int) -> dict:
         losses.append(accelerator.reduce(out["loss"].detach(), reduction="mean").item())
         if scenario.get("save_at") == step + 1:
             save_head_state(scenario["save"], accelerator, head, optimizer)
-    weights = accelerator.get_state_dict(head)
+    weights = accelerator.get_state_dict(head)  # ZeRO-3: gathered on the main process only, else None
     result = {"losses": losses, "world": accelerator.num_processes,
-              "weight_checksum": float(sum(v.double().abs().sum() for v in weights.values()))}
+              "weight_checksum": float(sum(v.double().abs().sum() for v in (weights or {}).values()))}
     accelerator.free_memory()
     return result
 
