@@ -83,7 +83,7 @@ def runs(tmp_path_factory):
         {"name": "zero2", "deepspeed": 2, "steps": 4, "save_at": 2, "save": state("zero2")},
         {"name": "ddp_from_single", "steps": 4, "resume": state("single")},
         {"name": "zero2_from_single", "deepspeed": 2, "steps": 4, "resume": state("single")},
-        {"name": "zero3", "deepspeed": 3, "steps": 4}], env)  # last: ZeRO-3 leaves hooks in the process
+        {"name": "zero3", "deepspeed": 3, "steps": 4}], env)
     results |= _launch(1, tmp / "resume.json", [
         {"name": "single_from_ddp", "steps": 4, "resume": state("ddp")},
         {"name": "single_from_zero2", "steps": 4, "resume": state("zero2")}], env)
