@@ -86,3 +86,26 @@ def test_bad_deepspeed_values_are_config_errors():
         compose_job(["deepspeed.target_placement=everywhere"])
     with pytest.raises(ConfigError, match="deepspeed.num_gpus"):
         compose_job(["deepspeed.num_gpus=0"])
+
+
+@pytest.mark.parametrize("overrides", [["heads=eagle"], ["heads=eagle", "heads.eagle.fc_bias=true"],
+                                       ["heads=medusa", "heads.medusa.num_layers=2"],
+                                       ["heads=medusa", "heads.medusa.share_lm_head=true"]])
+def test_planned_trainable_count_is_the_real_heads(overrides):
+    from heads.eagle import EagleConfig
+    from heads.io import build_head
+    from heads.medusa import MedusaConfig
+    from tests.tiny import tiny_target
+
+    job = compose_job(overrides)
+    job.model.arch = _tiny_arch()
+    target = tiny_target()
+    if job.heads.type == "eagle":
+        config = EagleConfig.from_target(target, fc_bias=job.heads.eagle.fc_bias)
+    else:
+        m = job.heads.medusa
+        config = MedusaConfig.from_target(target, num_heads=m.num_heads, num_layers=m.num_layers,
+                                          share_lm_head=m.share_lm_head)
+    head = build_head(config)
+    trained = sum(p.numel() for p in head.parameters() if p.requires_grad)
+    assert head_parameter_counts(job)[0] == trained
