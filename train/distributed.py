@@ -320,3 +320,23 @@ def load_head_state(path: str, accelerator, model, optimizer) -> int:
     state = load_file(path)
     restore_head_state(accelerator, model, optimizer, state)
     return int(state["step"].item())
+
+
+# -- a target split across GPUs -----------------------------------------------------------------
+def target_gpu_group(local_rank: int, gpus_per_node: int, span: int) -> list[int]:
+    """The GPUs one process's copy of a split target occupies: process r of a node with
+    gpus_per_node // span processes gets GPUs [r*span, (r+1)*span). span 1 = replicated."""
+    if span < 1 or gpus_per_node % span:
+        raise ValueError(f"a target split across {span} GPUs does not tile a node of {gpus_per_node}")
+    if not 0 <= local_rank < gpus_per_node // span:
+        raise ValueError(f"local rank {local_rank} out of range: a node holds {gpus_per_node // span} copies "
+                         f"of a target split across {span} GPUs (launch with -n {gpus_per_node // span})")
+    return list(range(local_rank * span, (local_rank + 1) * span))
+
+
+def target_max_memory(local_rank: int, gpus_per_node: int, span: int, gpu_memory_gb: float,
+                      headroom: float = 0.9) -> dict[int, str]:
+    """`max_memory` for transformers' `from_pretrained(device_map="auto", max_memory=...)` that
+    places this process's copy of the target on its GPU group only (pipeline split of the layers)."""
+    budget = f"{int(gpu_memory_gb * headroom)}GiB"
+    return {gpu: budget for gpu in target_gpu_group(local_rank, gpus_per_node, span)}

@@ -110,3 +110,15 @@ def test_state_saved_in_one_layout_resumes_in_another(runs, resumed):
 @pytest.mark.integration
 def test_no_deepspeed_op_was_jit_compiled(runs):
     assert runs["jit_builds"] == []
+
+
+def test_split_target_gpu_groups_tile_the_node():
+    from train.distributed import target_gpu_group, target_max_memory
+
+    assert [target_gpu_group(r, 8, 4) for r in range(2)] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert target_gpu_group(5, 8, 1) == [5]
+    assert target_max_memory(1, 8, 4, 80) == {4: "72GiB", 5: "72GiB", 6: "72GiB", 7: "72GiB"}
+    with pytest.raises(ValueError, match="-n 2"):
+        target_gpu_group(2, 8, 4)
+    with pytest.raises(ValueError, match="tile"):
+        target_gpu_group(0, 8, 3)
