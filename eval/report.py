@@ -33,15 +33,15 @@ def markdown_table(report: dict) -> str:
         f"sampling={report['sampling']}, {report['threads']} threads.",
         "",
         "| method | verification | settings | τ (bonus incl.) | mean tree | draft ms/step | verify ms/step "
-        "| verify ÷ plain step | tokens/s | vs plain | vs transformers | greedy identical |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| verify ÷ plain step | break-even τ | tokens/s | vs plain | vs transformers | greedy identical |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     hf = baselines.get("transformers")
     if hf is not None:
-        lines.append(f"| transformers generate | – | – | 1.00 | – | – | – | – | {_fmt(hf['tokens_per_second'])} "
+        lines.append(f"| transformers generate | – | – | 1.00 | – | – | – | – | – | {_fmt(hf['tokens_per_second'])} "
                      f"| {_fmt(hf['tokens_per_second'] / plain['tokens_per_second'] if plain['tokens_per_second'] else None)} "
                      f"| 1.00 | {_fmt(hf.get('greedy_identical'))} |")
-    lines.append(f"| plain (lean forward) | – | – | 1.00 | – | – | – | 1.00 | {_fmt(plain['tokens_per_second'])} | 1.00 "
+    lines.append(f"| plain (lean forward) | – | – | 1.00 | – | – | – | 1.00 | 1.00 | {_fmt(plain['tokens_per_second'])} | 1.00 "
                  f"| {_fmt(plain.get('speedup_vs_transformers'))} | – |")
     for row in report["drafters"]:
         verification = "typical (LOSSY)" if row["lossy"] else row["verification"]
@@ -49,6 +49,7 @@ def markdown_table(report: dict) -> str:
             f"| {row['name']} | {verification} | {_settings(row['settings'])} | {_fmt(row.get('tau'))} "
             f"| {_fmt(row.get('mean_tree_size'), 1)} | {_fmt(row.get('draft_ms_per_step'), 1)} "
             f"| {_fmt(row.get('verify_ms_per_step'), 1)} | {_fmt(row.get('verify_cost_in_plain_steps'))} "
+            f"| {_fmt(row.get('break_even_tau'))} "
             f"| {_fmt(row['tokens_per_second'])} "
             f"| {_fmt(row['speedup_vs_plain'])} | {_fmt(row['speedup_vs_transformers'])} "
             f"| {_fmt(row.get('greedy_identical'))} |")

@@ -292,8 +292,9 @@ def _assemble(methods: list[Method], summaries: dict, runtime: RuntimeConfig, ta
                "sweep": method.sweep, "settings": method.settings, **summaries[method.name]}
         row["speedup_vs_plain"] = row["tokens_per_second"] / plain if plain else None
         row["speedup_vs_transformers"] = row["tokens_per_second"] / hf if hf else None
-        if plain and row.get("verify_ms_per_step") is not None:  # cost of one verification in plain steps
+        if plain and row.get("verify_ms_per_step") is not None:  # cost of one step in plain decode steps
             row["verify_cost_in_plain_steps"] = row["verify_ms_per_step"] * plain / 1000.0
+            row["break_even_tau"] = (row["verify_ms_per_step"] + row["draft_ms_per_step"]) * plain / 1000.0
         rows.append(row)
     baselines = {"plain": summaries["plain"]}
     if "transformers" in summaries:
@@ -313,6 +314,8 @@ def _assemble(methods: list[Method], summaries: dict, runtime: RuntimeConfig, ta
             "tokens/s = decode throughput after the first token (prefill excluded), summed over prompts.",
             "speedups are ratios of tokens/s measured in this run, methods interleaved per prompt.",
             "acceptance_per_depth[d-1] = fraction of steps that accepted at least d drafted tokens.",
+            "break_even_tau = (draft + verify time per step) / plain time per token: the tau a drafter needs "
+            "at its measured costs to match plain decoding.",
             "verification 'typical' (Medusa typical acceptance) is LOSSY; all others are lossless.",
         ],
         "baselines": baselines,

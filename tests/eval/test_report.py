@@ -12,7 +12,7 @@ def _row(name, total_tokens=None, tau=2.0, tps=50.0, identical=True, lossy=False
             "settings": settings, "tau": tau, "acceptance_per_depth": [0.8, 0.5, 0.2], "mean_tree_size": 7.0,
             "draft_ms_per_step": 5.0, "verify_ms_per_step": 40.0, "tokens_per_second": tps,
             "speedup_vs_plain": tps / 30.0, "speedup_vs_transformers": tps / 10.0, "greedy_identical": identical,
-            "verify_cost_in_plain_steps": 40.0 * 30.0 / 1000.0}
+            "verify_cost_in_plain_steps": 40.0 * 30.0 / 1000.0, "break_even_tau": 45.0 * 30.0 / 1000.0}
 
 
 def report(**overrides):
@@ -32,7 +32,7 @@ def report(**overrides):
 def test_markdown_table_lists_every_method_with_ratios():
     text = markdown_table(report())
     assert "| eagle_tree | lossless | total_tokens=16 | 2.60 |" in text
-    assert "| 40.0 | 1.20 | 60.00 |" in text  # verify ms, verify in plain steps, tokens/s
+    assert "| 40.0 | 1.20 | 1.35 | 60.00 |" in text  # verify ms, verify in plain steps, break-even tau, tokens/s
     assert "| plain (lean forward) |" in text and "| transformers generate |" in text
     assert "typical (LOSSY)" in text and "bonus token INCLUDED" in text
     assert "| 2.00 | 6.00 | yes |" in text  # eagle_tree: 60/30 vs plain, 60/10 vs transformers

@@ -35,6 +35,7 @@ def test_evaluate_eagle_end_to_end(target, tmp_path):
         assert row["greedy_identical"] is True, row["name"]
         assert row["tau"] >= 1.0 and row["tokens_per_second"] > 0 and row["speedup_vs_transformers"] > 0
         assert row["prompts"] == 3 and row["lossy"] is False and row["verify_cost_in_plain_steps"] > 0
+        assert row["break_even_tau"] > row["verify_cost_in_plain_steps"]
     assert report["baselines"]["transformers"]["tokens_per_second"] > 0
     assert report["recommended_runtime"]["total_tokens"] in (4, 6, 8)
     saved = json.loads((tmp_path / "report.json").read_text())
