@@ -28,3 +28,5 @@ class RuntimeConfig:
     prompt_lookup_tokens: int = 8  # prompt_lookup: longest drafted chain
     draft_vocab_size: int = 0  # EAGLE/Medusa drafts over the N most frequent training-reply tokens; 0 = full vocabulary
     seed: int = 0  # sampling generators (one per prompt, the same for every method)
+    fuse_projections: bool = True  # lean forward: fused q|k|v and gate|up matmuls (LeanLlama.from_hf)
+    pack_multi_row: bool = True  # lean forward on CPU fp32: oneDNN-packed weights for N >= 2 tokens

@@ -32,7 +32,7 @@ class LeanConfig:
     rms_norm_eps: float
     max_seq_len: int = 2048
     attention: str = "auto"  # tree attention backend: auto | reference | triton
-    fuse_projections: bool = False  # one q|k|v and one gate|up matmul (fewer ops, other GEMM shapes)
+    fuse_projections: bool = True  # one q|k|v and one gate|up matmul: fewer ops per decode step
     pack_multi_row: bool = True  # CPU fp32: oneDNN-packed weight copies for N >= 2 rows (see Linear)
 
 
@@ -190,7 +190,7 @@ class LeanLlama(nn.Module):
     @classmethod
     @torch.no_grad()
     def from_hf(cls, hf_model: nn.Module, max_seq_len: int = 2048, attention: str = "auto",
-                fuse_projections: bool = False, pack_multi_row: bool = True) -> "LeanLlama":
+                fuse_projections: bool = True, pack_multi_row: bool = True) -> "LeanLlama":
         """Build from a transformers *ForCausalLM of the Llama family by parameter name."""
         hf_config = hf_model.config
         weights = dict(hf_model.named_parameters())

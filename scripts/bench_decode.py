@@ -95,8 +95,9 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=48)
     parser.add_argument("--reps", type=int, default=2, help="passes over the prompts for plain decoding")
     parser.add_argument("--curve-reps", type=int, default=5)
-    parser.add_argument("--variants", default="lean,lean_fused,lean_unpacked",
-                        help="comma list: lean (packed multi-row weights), lean_fused, lean_unpacked")
+    parser.add_argument("--variants", default="lean,lean_unfused,lean_unpacked",
+                        help="comma list: lean (fused q|k|v and gate|up, packed multi-row weights: the "
+                             "default), lean_unfused, lean_unpacked, lean_unfused_unpacked")
     parser.add_argument("--json", help="also write the figures to this JSON file")
     parser.add_argument("--tree-attention", action="store_true", help="GPU micro-benchmark of the Triton kernel")
     args = parser.parse_args()
@@ -113,7 +114,7 @@ def main() -> None:
     from heads.target import TargetConfig, load_target
 
     target = load_target(TargetConfig(device="cpu"))
-    models = {name: LeanLlama.from_hf(target.model, max_seq_len=1024, fuse_projections="fused" in name,
+    models = {name: LeanLlama.from_hf(target.model, max_seq_len=1024, fuse_projections="unfused" not in name,
                                       pack_multi_row="unpacked" not in name)
               for name in args.variants.split(",")}
     prompts = [target.tokenizer(p, return_tensors="pt").input_ids[0] for p in PROMPTS]

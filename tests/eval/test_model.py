@@ -58,7 +58,7 @@ def test_logits_match_transformers_in_chunks(family, fuse):
 
 
 def test_qkv_bias_and_qk_norm_are_loaded():
-    qwen2 = LeanLlama.from_hf(_family_model("qwen2_bias"))
+    qwen2 = LeanLlama.from_hf(_family_model("qwen2_bias"), fuse_projections=False)
     assert qwen2.blocks[0].attention.q_proj.bias is not None and qwen2.blocks[0].attention.q_norm is None
     fused = LeanLlama.from_hf(_family_model("qwen2_bias"), fuse_projections=True).blocks[0].attention
     assert fused.qkv_proj.bias.shape == (64 + 2 * 32,) and not hasattr(fused, "q_proj")
