@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import os
 import platform
 import time
 from pathlib import Path
@@ -69,7 +70,7 @@ def run_job(job: JobConfig) -> dict:
     if "regenerate" in job.stages or job.data.regenerate.enabled:
         from train.offline import regenerate_data
 
-        regenerated = regenerate_data(job, target)
+        regenerated = regenerate_data(job, target, _lean_generate_fn(job, target))
         summary["regenerated"] = str(regenerated)
         job = dataclasses.replace(job, data=dataclasses.replace(job.data, source=str(regenerated), format="jsonl"))
 
@@ -120,9 +121,34 @@ def run_job(job: JobConfig) -> dict:
             log.info("exported %s -> %s", fmt, path)
 
     summary["wall_seconds"] = round(time.time() - started, 1)
-    _write_json(run_dir / "job_summary.json", summary)
-    print(_final_lines(summary))
+    if int(os.environ.get("RANK", "0")) == 0:
+        _write_json(run_dir / "job_summary.json", summary)
+        print(_final_lines(summary))
     return summary
+
+
+def _lean_generate_fn(job: JobConfig, target: FrozenTarget):
+    """Self-distillation with the project's own fast forward (Llama family, one prompt at a time:
+    on CPU a preallocated single-sequence decode beats transformers' batched generate); None for
+    other architectures, which fall back to transformers' generate."""
+    from eval.generate import plain_generate
+    from eval.model import LeanLlama
+    from eval.sampling import SamplingConfig
+
+    try:
+        lean = LeanLlama.from_hf(target.model, max_seq_len=job.data.max_length + job.data.regenerate.max_new_tokens)
+    except (KeyError, ValueError, NotImplementedError) as error:
+        log.info("lean forward unavailable for this target (%s); regenerating with transformers", error)
+        return None
+    eos = [i for i in {target.config.eos_token_id, target.tokenizer.eos_token_id} if isinstance(i, int)]
+    generator = torch.Generator().manual_seed(job.trainer.seed)
+
+    def generate(prompts: list[list[int]], max_new_tokens: int, temperature: float) -> list[list[int]]:
+        sampling = SamplingConfig(temperature=temperature)
+        return [plain_generate(lean, torch.tensor(p, device=target.device), max_new_tokens, sampling, eos,
+                               generator).tokens for p in prompts]
+
+    return generate
 
 
 def _latest_checkpoint(run_dir: Path) -> Path | None:

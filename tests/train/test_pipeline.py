@@ -58,3 +58,25 @@ def test_job_runs_every_stage(tiny_chat_model, tmp_path):
         f"model.name_or_path={tiny_chat_model}", *arch_off, f"trainer.output_dir={run}", "logger=none",
         "stages=[export]", f"export.out={tmp_path / 'x'}"]))
     assert set(again["export"]) == {"native", "eagle", "eagle_vllm"}
+
+
+@pytest.mark.integration
+def test_self_distilled_offline_job(tiny_chat_model, tmp_path):
+    """regenerate (lean runtime) -> data on the regenerated set -> offline feature cache -> train."""
+    arch_off = [f"model.arch.{k}=null" for k in ("hidden_size", "num_hidden_layers", "num_attention_heads",
+                                                 "num_key_value_heads", "intermediate_size", "vocab_size")]
+    job = compose_job([
+        f"model.name_or_path={tiny_chat_model}", *arch_off,
+        f"data.source={tiny_chat_model / 'data.jsonl'}", "data.max_records=8", "data.eval_fraction=0.25",
+        f"data.cache_dir={tmp_path / 'cache'}", "data.regenerate.enabled=true",
+        "data.regenerate.max_new_tokens=5", "data.regenerate.shard_size=4", "data.mode=offline",
+        "data.feature_cache_dtype=float32",
+        f"trainer.output_dir={tmp_path / 'run'}", "trainer.max_steps=2", "trainer.eval_every=2",
+        "trainer.save_every=2", "trainer.eval_batches=1", "trainer.max_minutes=null", "logger=none",
+        "stages=[data,train]",
+    ])
+    summary = run_job(job)
+    regenerated = (tmp_path / "run" / "regenerated" / "regenerated.jsonl").read_text().splitlines()
+    assert len(regenerated) == 8
+    assert summary["train"]["steps"] == 2
+    assert any((tmp_path / "run").rglob("*.safetensors"))
