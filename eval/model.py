@@ -277,8 +277,13 @@ class LeanLlama(nn.Module):
         """
         n = tokens.shape[0]
         cache.reserve(n)
+        device = self.embedding.device
+        tokens = tokens.to(device)
         if positions is None:
-            positions = torch.arange(cache.length, cache.length + n, device=tokens.device)
+            positions = torch.arange(cache.length, cache.length + n, device=device)
+        positions = positions.to(device)
+        tree_mask = None if tree_mask is None else tree_mask.to(device)
+        tree_bits = None if tree_bits is None else tree_bits.to(device)
         cos = self.cos[positions].unsqueeze(1)  # (N, 1, hd)
         sin = self.sin[positions].unsqueeze(1)
         num_layers = self.config.num_layers

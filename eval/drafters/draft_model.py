@@ -12,9 +12,10 @@ from eval.drafters import Candidates, DraftState
 from eval.model import LeanLlama
 from eval.sampling import probabilities, sample
 
-# Relative cost of a target forward over n tokens vs one decode step (n = 1, 2, ...), measured by
-# scripts/bench_decode.py on SmolLM2 fp32 with 2 threads (shared machine); pass your own curve.
-DEFAULT_VERIFY_COST = (1.0, 1.5, 1.6, 1.7, 1.8, 1.9, 2.0, 2.1, 2.2)
+# Relative cost of a target forward over n tokens vs one decode step (n = 1, 2, ...): SmolLM2 fp32,
+# lean forward (fused, packed), 1 thread, loaded shared machine (scripts/bench_decode.py: N=2 1.3,
+# N=4 1.5, N=8 1.7), interpolated. Pass the curve measured on your machine.
+DEFAULT_VERIFY_COST = (1.0, 1.3, 1.4, 1.5, 1.55, 1.6, 1.65, 1.7, 1.8)
 
 
 @dataclass
