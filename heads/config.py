@@ -24,7 +24,9 @@ class EagleOptions:
     input_noise: float = 0.2  # uniform noise U(-a/2, a/2) added to input features in training
     eval_steps: int = 4  # held-out evaluation feeds the head its own predictions this many steps
     init_layer: int | None = -1  # start the decoder layer from this target layer; None: random init
-    init_fc: str = "feature"  # feature: fc starts as [0 | I] (passes f_t through) | random
+    init_fc: str = "feature"  # feature: fc = [0 | I] (passes f_t through) | random | ridge (fitted on data)
+    ridge_tokens: int = 20000  # init_fc=ridge: positions the linear fit uses
+    ridge_penalty: float = 1e-3  # init_fc=ridge: L2 penalty per position
 
 
 @dataclass

@@ -207,7 +207,9 @@ class EagleHead(nn.Module):
 def init_from_target(head: EagleHead, target, layer: int | None = -1, fc: str = "feature") -> EagleHead:
     """Start the decoder layer from one of the target's layers (attention, MLP, post-attention
     norm; its input norm has no place in EAGLE's layer 0). `layer=None` keeps the random init.
-    fc="feature" makes fc pass f_t through at start (fc = [0 | I]), "random" keeps it random."""
+    fc="feature" makes fc pass f_t through at start (fc = [0 | I]); "random" keeps it random;
+    "ridge" leaves fc to `set_fc_by_ridge` (fitted on data) and zeroes the attention and MLP output
+    projections, so the head starts as exactly that linear fit."""
     if layer is not None:
         source = target.decoder_layers[layer]
         own = head.layers[0].state_dict()
@@ -222,6 +224,26 @@ def init_from_target(head: EagleHead, target, layer: int | None = -1, fc: str = 
         head.fc.weight[:, D:].copy_(torch.eye(D))
         if head.fc.bias is not None:
             head.fc.bias.zero_()
+    elif fc == "ridge":
+        head.layers[0].self_attn.o_proj.weight.zero_()
+        head.layers[0].mlp.down_proj.weight.zero_()
     elif fc != "random":
-        raise ValueError(f"heads.eagle.init_fc={fc!r} is not one of ['feature', 'random']")
+        raise ValueError(f"heads.eagle.init_fc={fc!r} is not one of ['feature', 'random', 'ridge']")
     return head
+
+
+@torch.no_grad()
+def set_fc_by_ridge(head: EagleHead, gram: torch.Tensor, cross: torch.Tensor, rows: int, penalty: float) -> None:
+    """Set fc to the ridge-regression solution of fc(cat(e, f_t)) ~ f_{t+1}: gram = Σ x xᵀ (2D+1, 2D+1)
+    and cross = Σ x yᵀ (2D+1, D) over `rows` inputs x = [e, f_t, 1] and targets y = f_{t+1};
+    penalty * rows is added to the diagonal (not to the bias). The bias row is used iff fc has a bias."""
+    size = gram.shape[0] - (0 if head.fc.bias is not None else 1)
+    gram, cross = gram[:size, :size].double(), cross[:size].double()
+    ridge = torch.full((size,), penalty * rows, dtype=torch.float64, device=gram.device)
+    if head.fc.bias is not None:
+        ridge[-1] = 0.0
+    solution = torch.linalg.solve(gram + torch.diag(ridge), cross)  # (size, D)
+    D2 = 2 * head.config.hidden_size
+    head.fc.weight.copy_(solution[:D2].T.to(head.fc.weight.dtype))
+    if head.fc.bias is not None:
+        head.fc.bias.copy_(solution[D2].to(head.fc.bias.dtype))

@@ -44,6 +44,9 @@ class BatchStream:
             self._order = (self.epoch, [b for b in batches if len(b) == size])  # every process gets a full share
         return self._order[1]
 
+    def batches_per_epoch(self) -> int:
+        return len(self._batches())
+
     def next(self) -> dict:
         batches = self._batches()
         if self.index >= len(batches):

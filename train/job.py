@@ -73,7 +73,9 @@ def validate_job(job: JobConfig) -> JobConfig:
     _positive("heads.eagle.logit_loss_weight", job.heads.eagle.logit_loss_weight, allow_zero=True)
     _positive("heads.eagle.input_noise", job.heads.eagle.input_noise, allow_zero=True)
     _positive("heads.eagle.eval_steps", job.heads.eagle.eval_steps)
-    _choice("heads.eagle.init_fc", job.heads.eagle.init_fc, {"feature", "random"})
+    _choice("heads.eagle.init_fc", job.heads.eagle.init_fc, {"feature", "random", "ridge"})
+    _positive("heads.eagle.ridge_tokens", job.heads.eagle.ridge_tokens)
+    _positive("heads.eagle.ridge_penalty", job.heads.eagle.ridge_penalty, allow_zero=True)
     arch_hidden = job.model.arch.hidden_size
     if job.heads.hidden_size is not None and arch_hidden is not None and job.heads.hidden_size != arch_hidden:
         raise ConfigError(

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from heads.eagle import EagleConfig, init_from_target as init_eagle
+from heads.eagle import EagleConfig, init_from_target as init_eagle, set_fc_by_ridge
 from heads.io import build_head, load_head, read_head_meta
 from heads.medusa import MedusaConfig, init_from_target as init_medusa
 from train.checkpoint import (
@@ -27,7 +27,7 @@ from train.data_order import BatchStream, eval_batches
 from train.evaluate import run_eval
 from train.metrics import MetricsLogger, gpu_memory_metrics
 from train.objectives import (
-    FeatureSource, FrozenParts, MemoizedFeatures, OnlineFeatures, eagle_step, medusa_step,
+    FeatureSource, FrozenParts, MemoizedFeatures, OnlineFeatures, eagle_step, medusa_step, ridge_sums,
 )
 
 log = logging.getLogger(__name__)
@@ -67,13 +67,16 @@ def lr_factor(step: int, warmup_steps: int, total_steps: int, schedule: str) -> 
 
 def build_head_for_job(job, target):
     """(head, head config): from trainer.init_from when set, else fresh and initialised from the target."""
-    kind = job.heads.type
-    if job.trainer.init_from:
-        meta = read_head_meta(job.trainer.init_from)
-        if meta["type"] != kind:
-            raise ValueError(f"trainer.init_from={job.trainer.init_from} holds a {meta['type']} head, "
-                             f"but heads.type={kind}")
-        head, config, _ = load_head(job.trainer.init_from, target)
+    kind, source = job.heads.type, job.trainer.init_from
+    if source:
+        if (Path(source) / "specheads.json").is_file():  # an export folder (any engine layout)
+            from export.validate import load_export
+
+            head, config, _ = load_export(source, target, dtype="float32")
+        else:
+            head, config, _ = load_head(source, target)
+        if not isinstance(config, EagleConfig if kind == "eagle" else MedusaConfig):
+            raise ValueError(f"trainer.init_from={source} holds a {type(config).__name__}, but heads.type={kind}")
         return head, config
     if kind == "eagle":
         config = EagleConfig.from_target(target, fc_bias=job.heads.eagle.fc_bias)
@@ -131,6 +134,9 @@ def train_heads(job, target, data, source: FeatureSource | None = None, accelera
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: lr_factor(s, warmup, t.max_steps, t.schedule))
 
+    def reduce(tensor):
+        return accelerator.reduce(tensor, "sum") if world > 1 else tensor
+
     pad_id = target.config.pad_token_id if target.config.pad_token_id is not None else 0
     stream = BatchStream(data.train, t.batch_size, world, rank, t.seed, pad_id, device)
     held_out = eval_batches(data.eval, t.batch_size, world, rank, t.eval_batches, pad_id, device)
@@ -138,6 +144,8 @@ def train_heads(job, target, data, source: FeatureSource | None = None, accelera
 
     resume = _resume_path(t, root)
     checkpoint = load_checkpoint(resume, device) if resume is not None else None
+    if checkpoint is None and not t.init_from and kind == "eagle" and job.heads.eagle.init_fc == "ridge":
+        _fit_fc(head, job.heads.eagle, parts, source, data.train, t, world, rank, pad_id, device, reduce)
     if checkpoint is not None:
         meta = read_head_meta(resume)
         if meta["type"] != kind:
@@ -160,9 +168,6 @@ def train_heads(job, target, data, source: FeatureSource | None = None, accelera
     best_step = state["best"]["step"] if state["best"] else None
     eval_cache: dict = {}  # the target's greedy tokens on the held-out batches, computed once
     last_saved = resume
-
-    def reduce(tensor):
-        return accelerator.reduce(tensor, "sum") if world > 1 else tensor
 
     def evaluate() -> dict:
         model = accelerator.unwrap_model(head).eval()
@@ -256,6 +261,17 @@ def train_heads(job, target, data, source: FeatureSource | None = None, accelera
         if logger is not None:
             logger.close()
     return result
+
+
+def _fit_fc(head, options, parts, source, rows, t, world, rank, pad_id, device, reduce) -> None:
+    """init_fc=ridge: fit fc on the first ~ridge_tokens counted positions of the training order
+    (the same batches training starts with, so a memoized source computes them once)."""
+    peek = BatchStream(rows, t.batch_size, world, rank, t.seed, pad_id, device)
+    batches = (peek.next() for _ in range(peek.batches_per_epoch()))
+    gram, cross, count = ridge_sums(parts, batches, source, options.ridge_tokens // world)
+    count = int(reduce(torch.tensor(float(count), device=device)).item())
+    set_fc_by_ridge(head, reduce(gram), reduce(cross), count, options.ridge_penalty)
+    log.info("fc initialised by ridge regression on %d positions", count)
 
 
 def _check_finite(reduce, value: torch.Tensor, step: int, what: str, last_saved) -> None:

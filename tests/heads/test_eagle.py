@@ -130,3 +130,21 @@ def test_llama3_rope_scaling_matches_transformers():
     torch.testing.assert_close(ours, reference.inv_freq)
     plain, _ = rope_inv_freq(EagleConfig(**{**config.__dict__, "rope_scaling": None}))
     assert not torch.allclose(ours, plain)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_ridge_fit_recovers_a_linear_map(target, bias):
+    from heads.eagle import set_fc_by_ridge
+
+    head = init_from_target(EagleHead(EagleConfig.from_target(target, fc_bias=bias)), target, -1, fc="ridge")
+    assert head.layers[0].self_attn.o_proj.weight.abs().sum() == 0  # the head starts as the fit
+    true_w, true_b = torch.randn(D, 2 * D), torch.randn(D) if bias else torch.zeros(D)
+    x = torch.randn(500, 2 * D, dtype=torch.float64)
+    y = x @ true_w.double().T + true_b.double()
+    x1 = torch.cat([x, torch.ones(500, 1, dtype=torch.float64)], -1)
+    set_fc_by_ridge(head, x1.T @ x1, x1.T @ y, 500, penalty=0.0)
+    torch.testing.assert_close(head.fc.weight, true_w, atol=1e-4, rtol=1e-4)
+    if bias:
+        torch.testing.assert_close(head.fc.bias, true_b, atol=1e-4, rtol=1e-4)
+    emb, feat, pos = _inputs()
+    torch.testing.assert_close(head(emb, feat, pos)[0], head.fc(torch.cat([emb, feat], -1)))

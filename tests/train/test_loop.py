@@ -134,3 +134,38 @@ def test_max_minutes_stops_early(tmp_path):
     result = train_heads(tiny_job(tmp_path, max_minutes=1e-6), tiny_target(), tiny_data())
     assert result.stopped == "max_minutes" and result.steps == 1
     assert result.last_checkpoint.name == "step-00000001"
+
+
+def test_init_from_a_native_checkpoint(tmp_path):
+    from train.loop import build_head_for_job
+
+    target = tiny_target()
+    result = train_heads(tiny_job(tmp_path / "first", max_steps=2), target, tiny_data())
+    job = tiny_job(tmp_path / "second", init_from=str(result.last_checkpoint))
+    head, config = build_head_for_job(job, target)
+    saved, _, _ = load_head(result.last_checkpoint, target)
+    for key, value in saved.state_dict().items():
+        assert torch.equal(head.state_dict()[key], value)
+    job.heads.type = "medusa"
+    with pytest.raises(ValueError, match="heads.type=medusa"):
+        build_head_for_job(job, target)
+
+
+def test_init_fc_ridge_fits_fc_on_the_first_training_batches(tmp_path):
+    from heads.eagle import EagleConfig, EagleHead, set_fc_by_ridge
+    from train.data_order import BatchStream
+    from train.objectives import FrozenParts, ridge_sums
+
+    target, data = tiny_target(), tiny_data()
+    job = tiny_job(tmp_path, max_steps=1, learning_rate=1e-9)
+    job.heads.eagle.init_fc, job.heads.eagle.ridge_tokens = "ridge", 150
+    result = train_heads(job, target, data)
+    trained, _, _ = load_head(result.last_checkpoint, target)
+    stream = BatchStream(data.train, 4, 1, 0, job.trainer.seed, 0, "cpu")
+    gram, cross, rows = ridge_sums(FrozenParts.from_target(target), (stream.next() for _ in range(8)),
+                                   OnlineFeatures(target), 150)
+    assert 150 <= rows < 250  # stops after the batch that passes the budget
+    expected = EagleHead(EagleConfig.from_target(target))
+    set_fc_by_ridge(expected, gram, cross, rows, job.heads.eagle.ridge_penalty)
+    torch.testing.assert_close(trained.fc.weight, expected.fc.weight, atol=1e-5, rtol=1e-4)
+    assert trained.layers[0].mlp.down_proj.weight.abs().max() < 1e-6
