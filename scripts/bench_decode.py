@@ -8,15 +8,18 @@ Prints, in one run with the variants interleaved (the machine may be shared: com
 
     python scripts/bench_decode.py --threads 2 [--json bench.json]
     python scripts/bench_decode.py --tree-attention   # GPU: Triton kernel vs reference
+
+On a machine shared with other jobs, 2 OpenMP threads spinning at barriers collapse (~10x slower
+steps); `--omp-wait passive` (OMP_WAIT_POLICY=PASSIVE, set before torch is imported) avoids that
+at a small cost per parallel region on a quiet machine.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import time
-
-import torch
 
 PROMPTS = [
     "The history of the Roman Empire can be summarised as follows:",
@@ -26,7 +29,9 @@ PROMPTS = [
 CURVE_SIZES = (1, 2, 4, 8, 16, 32, 64)
 
 
-def _random_tree(n: int, generator: torch.Generator):
+def _random_tree(n: int, generator):
+    import torch
+
     from eval.tree import build_tree
 
     parents = [-1] + [int(torch.randint(max(0, i - 3), i, (1,), generator=generator)) for i in range(1, n)]
@@ -67,7 +72,9 @@ def bench_plain(target, models: dict, prompts, new_tokens: int, reps: int) -> di
     return report
 
 
-def bench_curve(models: dict, context_ids: torch.Tensor, reps: int) -> dict:
+def bench_curve(models: dict, context_ids, reps: int) -> dict:
+    import torch
+
     generator = torch.Generator().manual_seed(0)
     trees = {n: _random_tree(n, generator) for n in CURVE_SIZES}
     caches = {}
@@ -100,7 +107,13 @@ def main() -> None:
                              "default), lean_unfused, lean_unpacked, lean_unfused_unpacked")
     parser.add_argument("--json", help="also write the figures to this JSON file")
     parser.add_argument("--tree-attention", action="store_true", help="GPU micro-benchmark of the Triton kernel")
+    parser.add_argument("--omp-wait", choices=["default", "passive", "active"], default="default",
+                        help="OMP_WAIT_POLICY for this run (passive survives a shared machine)")
     args = parser.parse_args()
+    if args.omp_wait != "default":
+        os.environ["OMP_WAIT_POLICY"] = args.omp_wait.upper()
+    import torch
+
     torch.set_num_threads(args.threads)
     if args.tree_attention:
         from eval.attention.triton_kernel import benchmark
@@ -121,7 +134,7 @@ def main() -> None:
     with torch.inference_mode():
         plain = bench_plain(target, models, prompts, args.new_tokens, args.reps)
         curve = bench_curve(models, torch.cat(prompts * 4), args.curve_reps)
-    print(f"threads={args.threads}  new_tokens={args.new_tokens}  prompts={len(prompts)} x {args.reps}  "
+    print(f"threads={args.threads}  omp_wait={args.omp_wait}  new_tokens={args.new_tokens}  prompts={len(prompts)} x {args.reps}  "
           f"(fp32; the machine may be shared: compare rows of one run)")
     print(f"{'variant':<14}{'tokens/s':>10}{'ms/token':>10}{'x transformers':>16}{'identical':>11}")
     for name, row in plain.items():
@@ -134,7 +147,7 @@ def main() -> None:
         print(f"{'  ms':<14}" + "".join(f"{row[n]['ms']:>9.1f}" for n in CURVE_SIZES))
     if args.json:
         with open(args.json, "w") as handle:
-            json.dump({"threads": args.threads, "plain": plain, "verify_curve": curve}, handle, indent=2)
+            json.dump({"threads": args.threads, "omp_wait": args.omp_wait, "plain": plain, "verify_curve": curve}, handle, indent=2)
 
 
 if __name__ == "__main__":
