@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from eval.drafters import Candidates, Drafter
-from eval.drafters.draft_model import DraftModelDrafter, DynamicGamma, self_speculation_drafter
+from eval.drafters.draft_model import DynamicGamma, self_speculation_drafter
 from eval.drafters.prompt_lookup import PromptLookupDrafter, lookup
 from eval.generate import plain_generate, speculative_generate
 from eval.model import LeanLlama
