@@ -45,9 +45,9 @@ def probabilities(logits: torch.Tensor, sampling: SamplingConfig) -> torch.Tenso
 
 def sample(probs: torch.Tensor, generator: torch.Generator | None = None) -> int:
     """One token id from a (V,) distribution (inverse CDF; faster than multinomial for one draw)."""
-    cdf = probs.cumsum(0)
-    u = torch.rand((), generator=generator, device=probs.device, dtype=cdf.dtype) * cdf[-1]
-    return min(int(torch.searchsorted(cdf, u, right=True)), probs.shape[0] - 1)
+    cdf = probs.float().cumsum(0)
+    u = float(torch.rand((), generator=generator)) * float(cdf[-1])  # a CPU generator works for any device
+    return min(int(torch.searchsorted(cdf, torch.tensor(u, device=cdf.device), right=True)), probs.shape[0] - 1)
 
 
 def pick(logits: torch.Tensor, sampling: SamplingConfig, generator: torch.Generator | None = None) -> int:
