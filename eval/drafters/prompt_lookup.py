@@ -9,11 +9,13 @@ from eval.drafters import Candidates, DraftState
 
 class PromptLookupDrafter:
     """A deterministic chain of up to `num_draft` tokens, trying n-grams from max_ngram down to
-    min_ngram; no candidates when nothing matches (the step is then a plain decode step)."""
+    min_ngram; no candidates when nothing matches (the step is then a plain decode step).
+    min_ngram 2: single-token matches were mostly wrong on SmolLM2 and verifying them cost more
+    than they saved (same tau within 0.05, fewer wasted verifications)."""
 
     feature_layers: tuple[int, ...] = ()
 
-    def __init__(self, num_draft: int = 8, max_ngram: int = 3, min_ngram: int = 1):
+    def __init__(self, num_draft: int = 8, max_ngram: int = 3, min_ngram: int = 2):
         if not 1 <= min_ngram <= max_ngram or num_draft < 1:
             raise ValueError("prompt lookup: need 1 <= min_ngram <= max_ngram and num_draft >= 1")
         self.num_draft, self.max_ngram, self.min_ngram = num_draft, max_ngram, min_ngram
