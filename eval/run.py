@@ -53,7 +53,7 @@ def _eagle(head, lean, mode, runtime: RuntimeConfig, total_tokens=None, draft_vo
 
 def frequent_token_ids(token_lists: Sequence[Sequence[int]], size: int) -> torch.Tensor:
     """(size,) the most frequent token ids of `token_lists` (e.g. training replies), ties by id:
-    an EAGLE draft vocabulary."""
+    a draft vocabulary for EAGLE and Medusa drafters."""
     counts = torch.bincount(torch.tensor([t for tokens in token_lists for t in tokens], dtype=torch.long))
     order = sorted(range(counts.shape[0]), key=lambda i: (-int(counts[i]), i))
     return torch.tensor(sorted(order[:size]), dtype=torch.long)

@@ -132,7 +132,7 @@ class EagleDrafter:
         frontier = list(range(top_k))
         frontier_features = feature.expand(top_k, -1)  # (n, D): each frontier node's parent's f̂
         past = self.past
-        for depth in range(2, self.depth + 1):
+        for depth in range(2, min(self.depth, self.total_tokens - 1) + 1):  # deeper levels cannot be kept
             n, drafted = len(frontier), len(node_slot)
             mask = torch.zeros(n, committed + drafted + n, dtype=torch.bool)
             mask[:, :committed] = True
