@@ -52,6 +52,9 @@ class EagleDrafter:
         self.vocab = None if draft_vocab is None else torch.as_tensor(draft_vocab, dtype=torch.long)
         weight_t = target.lm_head.weight_t  # (D, V)
         self.projection = weight_t if self.vocab is None else weight_t[:, self.vocab].contiguous()  # (D, Vd)
+        # Several rows at once: W @ x.T with W row-major is ~3x faster than x @ W_t on the CPU (MKL).
+        rows = self.projection.t()
+        self.projection_rows = rows.contiguous() if rows.device.type == "cpu" else rows  # (Vd, D)
 
     @property
     def cache_length(self) -> int:
@@ -66,7 +69,10 @@ class EagleDrafter:
     def _logits(self, features: torch.Tensor) -> torch.Tensor:
         """(n, D) predicted features -> (n, Vd) float logits through the target's lm_head (rows of
         draft_vocab only, when given; map indices back with `_token_ids`)."""
-        return (features.to(self.projection.dtype) @ self.projection).float()
+        features = features.to(self.projection.dtype)
+        if features.shape[0] == 1:
+            return (features @ self.projection).float()
+        return (self.projection_rows @ features.t()).t().float()
 
     def _token_ids(self, indices: torch.Tensor) -> torch.Tensor:
         return indices if self.vocab is None else self.vocab[indices]
