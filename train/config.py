@@ -22,6 +22,7 @@ class TrainerConfig:
     mixed_precision: str = "auto"  # auto (bf16 on GPU, no on CPU) | no | bf16 | fp16
     eval_every: int = 50
     eval_batches: int = 8
+    eval_at_start: bool = True  # evaluate (and checkpoint) the initialised head before step 1
     save_every: int = 50
     keep_last: int = 2
     resume: str = "auto"  # auto | never | <checkpoint dir>

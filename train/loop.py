@@ -111,6 +111,7 @@ def train_heads(job, target, data, source: FeatureSource | None = None, accelera
     from train.distributed import make_accelerator
 
     t, kind = job.trainer, job.heads.type
+    start_time = time.time()  # trainer.max_minutes counts set-up (ridge fit) and evaluations too
     if t.num_threads:
         torch.set_num_threads(t.num_threads)
     accelerator = accelerator or make_accelerator(t, job.deepspeed)
@@ -190,14 +191,29 @@ def train_heads(job, target, data, source: FeatureSource | None = None, accelera
         last_saved = root / path.name if path else root / f"step-{step:08d}"
         return last_saved
 
+    def evaluate_and_track(step: int) -> dict:
+        nonlocal best_step
+        metrics = state["last_eval"] = evaluate()
+        value = metrics[BEST_METRIC]
+        if state["best"] is None or value > state["best"]["value"]:
+            state["best"] = {"step": step, "metric": BEST_METRIC, "value": value}
+            best_step = step
+        if main:
+            logger.log(step, metrics)
+            log.info("step %d eval: %s", step, _short(metrics))
+        return metrics
+
     from tqdm.auto import tqdm
 
     bar = tqdm(total=t.max_steps, initial=state["step"], disable=not main, unit="step", dynamic_ncols=True)
     window = _Window()
-    start_time, start_elapsed = time.time(), state["elapsed_seconds"]
+    start_elapsed = state["elapsed_seconds"]
     stopped, last_eval_step = "max_steps", None
     head.train()
     try:
+        if state["step"] == 0 and t.eval_at_start:  # the initialisation's figures; it may stay the best
+            last_eval_step = 0
+            save(0, evaluate_and_track(0))
         while state["step"] < t.max_steps:
             grad_norm, step_started = torch.tensor(0.0), time.time()
             for _ in range(t.grad_accumulation):
@@ -233,15 +249,8 @@ def train_heads(job, target, data, source: FeatureSource | None = None, accelera
             bar.update(1)
             eval_metrics = None
             if step % t.eval_every == 0 or last:
-                eval_metrics = state["last_eval"] = evaluate()
+                eval_metrics = evaluate_and_track(step)
                 last_eval_step = step
-                value = eval_metrics[BEST_METRIC]
-                if state["best"] is None or value > state["best"]["value"]:
-                    state["best"] = {"step": step, "metric": BEST_METRIC, "value": value}
-                    best_step = step
-                if main:
-                    logger.log(step, eval_metrics)
-                    log.info("step %d eval: %s", step, _short(eval_metrics))
             if step % t.save_every == 0 or last or (eval_metrics is not None and best_step == step):
                 save(step, eval_metrics)
             if over_budget and step < t.max_steps:

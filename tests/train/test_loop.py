@@ -108,14 +108,16 @@ def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path):
     online, calls = OnlineFeatures(target), []
 
     def poisoned(batch):
-        calls.append(1)
         features = online(batch)
+        if not batch["ids"][0].startswith("r0-"):  # held-out rows (tiny_data: "r1-...")
+            return features
+        calls.append(1)
         return features * float("nan") if len(calls) == 3 else features
 
     job = tiny_job(tmp_path, save_every=2)
     with pytest.raises(TrainingDiverged, match=r"non-finite loss at step 3.*step-00000002"):
         train_heads(job, target, tiny_data(), source=poisoned)
-    assert [p.name for p in (tmp_path / "checkpoints").iterdir()] == ["step-00000002"]
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step-00000000", "step-00000002"]
 
 
 def test_wandb_offline_run_folder_and_metrics_jsonl(tmp_path, monkeypatch):
@@ -126,7 +128,7 @@ def test_wandb_offline_run_folder_and_metrics_jsonl(tmp_path, monkeypatch):
     runs = list((tmp_path / "wandb").glob("offline-run-*"))
     assert len(runs) == 1 and list(runs[0].glob("*.wandb"))
     assert sorted(_metrics(tmp_path)) == [1, 2, 3, 4]
-    assert sorted(_metrics(tmp_path, "eval/acceptance_length")) == [2, 4]
+    assert sorted(_metrics(tmp_path, "eval/acceptance_length")) == [0, 2, 4]
     assert set(_metrics(tmp_path, "train/tokens_per_s")) == {1, 2, 3, 4}
 
 
