@@ -159,7 +159,10 @@ def train_heads(job, target, data, source: FeatureSource | None = None, accelera
     if checkpoint is not None:
         optimizer.load_state_dict(checkpoint["optimizer"])
         ranks = checkpoint["rng"]
-        set_rng_state(ranks[rank]) if len(ranks) == world else set_seed(t.seed + rank + state["step"])
+        if len(ranks) == world:
+            set_rng_state(ranks[rank])
+        else:  # another process count: a fresh but deterministic stream per rank
+            set_seed(t.seed + rank + state["step"])
         log.info("resumed from %s at step %d", resume, state["step"])
 
     logger = MetricsLogger(run_dir, job.logger, dataclasses.asdict(job), resume_step=state["step"]) if main else None
