@@ -108,7 +108,7 @@ def train_heads(job, target, data, source: FeatureSource | None = None, accelera
     Writes <trainer.output_dir>/{checkpoints/, metrics.jsonl, result.json}."""
     from accelerate.utils import gather_object, set_seed
 
-    from train.distributed import make_accelerator
+    from train.distributed import gather_head_state, make_accelerator, restore_head_state
 
     t, kind = job.trainer, job.heads.type
     start_time = time.time()  # trainer.max_minutes counts set-up (ridge fit) and evaluations too
@@ -144,7 +144,7 @@ def train_heads(job, target, data, source: FeatureSource | None = None, accelera
     state = {"step": 0, "tokens": 0, "elapsed_seconds": 0.0, "best": None, "last_eval": {}}
 
     resume = _resume_path(t, root)
-    checkpoint = load_checkpoint(resume, device) if resume is not None else None
+    checkpoint = load_checkpoint(resume, "cpu") if resume is not None else None
     if checkpoint is None and not t.init_from and kind == "eagle" and job.heads.eagle.init_fc == "ridge":
         _fit_fc(head, job.heads.eagle, parts, source, data.train, t, world, rank, pad_id, device, reduce)
     if checkpoint is not None:
@@ -157,7 +157,7 @@ def train_heads(job, target, data, source: FeatureSource | None = None, accelera
         scheduler.load_state_dict(checkpoint["scheduler"])
     head, optimizer = accelerator.prepare(head, optimizer)
     if checkpoint is not None:
-        optimizer.load_state_dict(checkpoint["optimizer"])
+        restore_head_state(accelerator, head, optimizer, checkpoint["optimizer"])
         ranks = checkpoint["rng"]
         if len(ranks) == world:
             set_rng_state(ranks[rank])
@@ -184,9 +184,10 @@ def train_heads(job, target, data, source: FeatureSource | None = None, accelera
     def save(step: int, eval_metrics: dict | None) -> Path | None:
         nonlocal last_saved
         rngs = gather_object([rng_state()]) if world > 1 else [rng_state()]
+        optimizer_state = gather_head_state(accelerator, head, optimizer)  # collective under ZeRO
         path = None
         if main:
-            path = save_checkpoint(root, step, accelerator.unwrap_model(head), head_config, optimizer.state_dict(),
+            path = save_checkpoint(root, step, accelerator.unwrap_model(head), head_config, optimizer_state,
                                    scheduler.state_dict(), rngs,
                                    {**state, "data_position": stream.position(), "eval": eval_metrics or {}})
             prune_checkpoints(root, t.keep_last, {best_step} if best_step is not None else set())
@@ -228,7 +229,7 @@ def train_heads(job, target, data, source: FeatureSource | None = None, accelera
                     _check_finite(reduce, out["loss"].detach(), state["step"], "loss", last_saved)
                     accelerator.backward(out["loss"])
                     if accelerator.sync_gradients:
-                        grad_norm = accelerator.clip_grad_norm_(head.parameters(), t.max_grad_norm)
+                        grad_norm = torch.as_tensor(accelerator.clip_grad_norm_(head.parameters(), t.max_grad_norm))
                         _check_finite(reduce, grad_norm.detach().float(), state["step"], "gradient norm", last_saved)
                     optimizer.step()
                     optimizer.zero_grad(set_to_none=True)
