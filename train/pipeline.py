@@ -104,7 +104,7 @@ def run_job(job: JobConfig) -> dict:
         head, head_config = _load_for_eval(checkpoint, target)
 
     if "eval" in job.stages:
-        summary["eval"] = _evaluate(job, target, head, head_config, run_dir)
+        summary["eval"] = _evaluate(job, target, head, head_config, run_dir, prepared)
 
     if "export" in job.stages:
         from export.writer import export_all
@@ -155,9 +155,12 @@ def _latest_checkpoint(run_dir: Path) -> Path | None:
     from train.checkpoint import latest_valid_checkpoint
 
     root = run_dir / "checkpoints"
-    best = root / "best"
-    if (best / "head_config.json").is_file():
-        return best
+    result = run_dir / "result.json"
+    if result.is_file():  # written by the training loop: its best (else last) checkpoint
+        values = json.loads(result.read_text())
+        for key in ("best_checkpoint", "last_checkpoint"):
+            if values.get(key) and (Path(values[key]) / "head_config.json").is_file():
+                return Path(values[key])
     return latest_valid_checkpoint(root) if root.is_dir() else None
 
 
@@ -172,7 +175,7 @@ def _load_for_eval(checkpoint: Path, target: FrozenTarget):
     return head.to(target.device).eval(), config
 
 
-def _evaluate(job: JobConfig, target: FrozenTarget, head, head_config, run_dir: Path) -> dict:
+def _evaluate(job: JobConfig, target: FrozenTarget, head, head_config, run_dir: Path, prepared=None) -> dict:
     from data.prompts import eval_prompts, load_prompt_file
     from eval.run import evaluate
 
@@ -184,8 +187,20 @@ def _evaluate(job: JobConfig, target: FrozenTarget, head, head_config, run_dir: 
     kind = job.heads.type
     wanted = [d for d in runtime.drafters if not d.startswith(("eagle", "medusa")) or d.startswith(kind)]
     report = evaluate(target, [p["prompt_ids"] for p in prompts[: runtime.num_prompts]], wanted, runtime,
-                      head=head, head_config=head_config, out_dir=run_dir / "eval")
+                      head=head, head_config=head_config, out_dir=run_dir / "eval",
+                      draft_vocab=_draft_vocab(runtime, prepared))
     return report
+
+
+def _draft_vocab(runtime, prepared):
+    """The most frequent tokens of the training replies: drafting over them instead of the full
+    vocabulary cuts the draft's lm_head cost (runtime.draft_vocab_size; 0 = full vocabulary)."""
+    if not runtime.draft_vocab_size or prepared is None:
+        return None
+    from eval.run import frequent_token_ids
+
+    replies = [[t for t, m in zip(row["input_ids"], row["loss_mask"]) if m] for row in prepared.train]
+    return frequent_token_ids(replies, runtime.draft_vocab_size)
 
 
 def _training_figures(summary: dict) -> dict:
