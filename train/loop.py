@@ -65,16 +65,13 @@ def lr_factor(step: int, warmup_steps: int, total_steps: int, schedule: str) -> 
     raise ValueError(f"trainer.schedule={schedule!r} is not one of ['constant', 'cosine', 'linear']")
 
 
-def build_head_for_job(job, target):
-    """(head, head config): from trainer.init_from when set, else fresh and initialised from the target."""
+def build_head_for_job(job, target, initial=None):
+    """(head, head config): `initial` when given (a head the caller loaded, e.g. from an engine
+    export), else from trainer.init_from (a checkpoint or native export), else fresh and
+    initialised from the target."""
     kind, source = job.heads.type, job.trainer.init_from
-    if source:
-        if (Path(source) / "specheads.json").is_file():  # an export folder (any engine layout)
-            from export.validate import load_export
-
-            head, config, _ = load_export(source, target, dtype="float32")
-        else:
-            head, config, _ = load_head(source, target)
+    if initial is not None or source:
+        head, config = initial if initial is not None else load_head(source, target)[:2]
         if not isinstance(config, EagleConfig if kind == "eagle" else MedusaConfig):
             raise ValueError(f"trainer.init_from={source} holds a {type(config).__name__}, but heads.type={kind}")
         return head, config
@@ -102,7 +99,8 @@ def _resume_path(trainer, root: Path) -> Path | None:
     return path
 
 
-def train_heads(job, target, data, source: FeatureSource | None = None, accelerator=None) -> TrainResult:
+def train_heads(job, target, data, source: FeatureSource | None = None, accelerator=None,
+                initial=None) -> TrainResult:
     """Train the job's head on `data` (PreparedData: .train/.eval rows with input_ids, loss_mask, id)
     against the frozen `target`. `source` supplies target features (default: run the target online).
     Writes <trainer.output_dir>/{checkpoints/, metrics.jsonl, result.json}."""
@@ -127,7 +125,7 @@ def train_heads(job, target, data, source: FeatureSource | None = None, accelera
     if t.feature_memory_mb > 0:  # reuse each row's features across epochs and evaluations
         source = MemoizedFeatures(source, t.feature_memory_mb)
         eval_source = MemoizedFeatures(eval_source, t.feature_memory_mb)
-    head, head_config = build_head_for_job(job, target)
+    head, head_config = build_head_for_job(job, target, initial)
     head.to(device)
     optimizer = torch.optim.AdamW(head.parameters(), lr=t.learning_rate, betas=(t.adam_beta1, t.adam_beta2),
                                   weight_decay=t.weight_decay)

@@ -91,7 +91,7 @@ def run_job(job: JobConfig) -> dict:
     if "train" in job.stages:
         from train.loop import train_heads
 
-        result = train_heads(job, target, prepared, source=source)
+        result = train_heads(job, target, prepared, source=source, initial=_engine_export_head(job, target))
         summary["train"] = {"steps": result.steps, "stopped": result.stopped, "best_eval": result.best_eval,
                             "final_eval": result.final_eval,
                             "best_checkpoint": str(result.best_checkpoint or result.last_checkpoint)}
@@ -149,6 +149,18 @@ def _lean_generate_fn(job: JobConfig, target: FrozenTarget):
                                generator).tokens for p in prompts]
 
     return generate
+
+
+def _engine_export_head(job: JobConfig, target: FrozenTarget):
+    """trainer.init_from may name an engine-layout export (eagle, medusa): the loop itself reads
+    checkpoints and native exports, the export package reads the rest."""
+    folder = Path(job.trainer.init_from) if job.trainer.init_from else None
+    if folder is None or (folder / "head_config.json").is_file() or not (folder / "specheads.json").is_file():
+        return None
+    from export.validate import load_export
+
+    head, config, _ = load_export(folder, target, dtype="float32")
+    return head, config
 
 
 def _latest_checkpoint(run_dir: Path) -> Path | None:

@@ -58,6 +58,15 @@ def test_job_runs_every_stage(tiny_chat_model, tmp_path):
         f"model.name_or_path={tiny_chat_model}", *arch_off, f"trainer.output_dir={run}", "logger=none",
         "stages=[export]", f"export.out={tmp_path / 'x'}"]))
     assert set(again["export"]) == {"native", "eagle", "eagle_vllm"}
+    # Training can start from an engine-layout export (bf16 weights read back into a head).
+    resumed = run_job(compose_job([
+        f"model.name_or_path={tiny_chat_model}", *arch_off,
+        f"data.source={tiny_chat_model / 'data.jsonl'}", "data.max_records=null", "data.eval_fraction=0.25",
+        f"data.cache_dir={tmp_path / 'cache'}", f"trainer.output_dir={tmp_path / 'again'}",
+        f"trainer.init_from={summary['export']['eagle']}", "trainer.max_steps=1", "trainer.eval_every=1",
+        "trainer.save_every=1", "trainer.eval_batches=1", "trainer.max_minutes=null", "logger=none",
+        "stages=[data,train]"]))
+    assert resumed["train"]["steps"] == 1
 
 
 @pytest.mark.integration
