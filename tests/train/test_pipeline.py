@@ -29,19 +29,25 @@ def tiny_chat_model(tmp_path_factory):
     return folder
 
 
+ARCH_KEYS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+             "intermediate_size", "vocab_size")
+
+
+def tiny_job(model_dir, tmp_path, run: str, steps: int, *extra: str, records: str = "null"):
+    """A job on the tiny chat model: its architecture read from the folder, a few training steps."""
+    return compose_job([
+        f"model.name_or_path={model_dir}", *(f"model.arch.{key}=null" for key in ARCH_KEYS),
+        f"data.source={model_dir / 'data.jsonl'}", f"data.max_records={records}", "data.eval_fraction=0.25",
+        f"data.cache_dir={tmp_path / 'cache'}", f"trainer.output_dir={tmp_path / run}",
+        f"trainer.max_steps={steps}", f"trainer.eval_every={steps}", f"trainer.save_every={steps}",
+        "trainer.eval_batches=1", "trainer.max_minutes=null", "logger=none", *extra])
+
+
 @pytest.mark.integration
 def test_job_runs_every_stage(tiny_chat_model, tmp_path):
-    arch_off = [f"model.arch.{k}=null" for k in ("hidden_size", "num_hidden_layers", "num_attention_heads",
-                                                 "num_key_value_heads", "intermediate_size", "vocab_size")]
-    job = compose_job([
-        f"model.name_or_path={tiny_chat_model}", *arch_off,
-        f"data.source={tiny_chat_model / 'data.jsonl'}", "data.max_records=null", "data.eval_fraction=0.25",
-        f"data.cache_dir={tmp_path / 'cache'}",
-        f"trainer.output_dir={tmp_path / 'run'}", "trainer.max_steps=2", "trainer.eval_every=2",
-        "trainer.save_every=2", "trainer.eval_batches=1", "trainer.max_minutes=null", "logger=none",
-        "runtime.drafters=[eagle_chain,prompt_lookup]", "runtime.tree_sweep=[]", "runtime.num_prompts=1",
-        "runtime.max_new_tokens=6", "runtime.compare_transformers=false",
-    ])
+    job = tiny_job(tiny_chat_model, tmp_path, "run", 2, "runtime.drafters=[eagle_chain,prompt_lookup]",
+                   "runtime.tree_sweep=[]", "runtime.num_prompts=1", "runtime.max_new_tokens=6",
+                   "runtime.compare_transformers=false")
     summary = run_job(job)
     assert summary["train"]["steps"] == 2
     assert {row["name"] for row in summary["eval"]["drafters"]} == {"eagle_chain", "prompt_lookup"}
@@ -54,36 +60,20 @@ def test_job_runs_every_stage(tiny_chat_model, tmp_path):
     for folder in summary["export"].values():
         validate_export(folder)
     # Re-running only the later stages picks up the trained head from the run folder.
-    again = run_job(compose_job([
-        f"model.name_or_path={tiny_chat_model}", *arch_off, f"trainer.output_dir={run}", "logger=none",
-        "stages=[export]", f"export.out={tmp_path / 'x'}"]))
+    again = run_job(tiny_job(tiny_chat_model, tmp_path, "run", 2, "stages=[export]", f"export.out={tmp_path / 'x'}"))
     assert set(again["export"]) == {"native", "eagle", "eagle_vllm"}
     # Training can start from an engine-layout export (bf16 weights read back into a head).
-    resumed = run_job(compose_job([
-        f"model.name_or_path={tiny_chat_model}", *arch_off,
-        f"data.source={tiny_chat_model / 'data.jsonl'}", "data.max_records=null", "data.eval_fraction=0.25",
-        f"data.cache_dir={tmp_path / 'cache'}", f"trainer.output_dir={tmp_path / 'again'}",
-        f"trainer.init_from={summary['export']['eagle']}", "trainer.max_steps=1", "trainer.eval_every=1",
-        "trainer.save_every=1", "trainer.eval_batches=1", "trainer.max_minutes=null", "logger=none",
-        "stages=[data,train]"]))
+    resumed = run_job(tiny_job(tiny_chat_model, tmp_path, "again", 1,
+                               f"trainer.init_from={summary['export']['eagle']}", "stages=[data,train]"))
     assert resumed["train"]["steps"] == 1
 
 
 @pytest.mark.integration
 def test_self_distilled_offline_job(tiny_chat_model, tmp_path):
     """regenerate (lean runtime) -> data on the regenerated set -> offline feature cache -> train."""
-    arch_off = [f"model.arch.{k}=null" for k in ("hidden_size", "num_hidden_layers", "num_attention_heads",
-                                                 "num_key_value_heads", "intermediate_size", "vocab_size")]
-    job = compose_job([
-        f"model.name_or_path={tiny_chat_model}", *arch_off,
-        f"data.source={tiny_chat_model / 'data.jsonl'}", "data.max_records=8", "data.eval_fraction=0.25",
-        f"data.cache_dir={tmp_path / 'cache'}", "data.regenerate.enabled=true",
-        "data.regenerate.max_new_tokens=5", "data.regenerate.shard_size=4", "data.mode=offline",
-        "data.feature_cache_dtype=float32",
-        f"trainer.output_dir={tmp_path / 'run'}", "trainer.max_steps=2", "trainer.eval_every=2",
-        "trainer.save_every=2", "trainer.eval_batches=1", "trainer.max_minutes=null", "logger=none",
-        "stages=[data,train]",
-    ])
+    job = tiny_job(tiny_chat_model, tmp_path, "run", 2, "data.regenerate.enabled=true",
+                   "data.regenerate.max_new_tokens=5", "data.regenerate.shard_size=4", "data.mode=offline",
+                   "data.feature_cache_dtype=float32", "stages=[data,train]", records="8")
     summary = run_job(job)
     regenerated = (tmp_path / "run" / "regenerated" / "regenerated.jsonl").read_text().splitlines()
     assert len(regenerated) == 8
