@@ -18,7 +18,7 @@ import shutil
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 from torch import nn
@@ -35,6 +35,10 @@ class TargetConfig:
 
     name_or_path: a hub id, a local folder, a path to a `.gguf` file, or `embedded:smollm2-135m-instruct`.
     dtype: `auto` (fp32 on CPU, bf16 on CUDA), `float32`, `bfloat16` or `float16`.
+    device_map: None puts the whole target on `device`; otherwise handed to transformers'
+    `from_pretrained` (accelerate's big-model loading) to spread the layers over several devices:
+    `auto`, `balanced`, `sequential`, or an explicit {module name: device} map.
+    max_memory: with device_map, the memory each device may hold, e.g. {"0": "70GiB", "1": "70GiB"}.
     """
 
     name_or_path: str = EMBEDDED_SMOLLM2
@@ -45,6 +49,8 @@ class TargetConfig:
     cache_dir: str | None = None
     trust_remote_code: bool = False
     attn_implementation: str = "sdpa"
+    device_map: Any = None  # str | {module: device} | None (a union OmegaConf cannot type)
+    max_memory: dict[str, str] | None = None
 
 
 def default_cache_dir() -> Path:
@@ -229,6 +235,24 @@ class FrozenTarget(nn.Module):
     def train(self, mode: bool = True):  # the target never leaves eval mode
         return super().train(False)
 
+    @property
+    def is_split(self) -> bool:
+        """Whether device_map spread the layers over several devices."""
+        return len(set((getattr(self.model, "hf_device_map", None) or {}).values())) > 1
+
+    @property
+    def loaded_in_parts(self) -> bool:
+        """Whether only the embedding, final norm, lm_head and some decoder layers were loaded."""
+        return isinstance(self.decoder_layers, PartialLayers)
+
+    def to(self, *args, **kwargs):
+        """Move the target, unless device_map split it: a split target stays where it was placed
+        (`features` moves its inputs and outputs instead)."""
+        if self.is_split:
+            log.info("the target is split across %s; it stays there", sorted(map(str, set(self.model.hf_device_map.values()))))
+            return self
+        return super().to(*args, **kwargs)
+
     @torch.no_grad()
     def features(
         self,
@@ -238,17 +262,24 @@ class FrozenTarget(nn.Module):
         return_logits: bool = False,
     ) -> TargetFeatures:
         """Hidden states at `layers` (negative indices count from the final post-norm state) and
-        optionally logits, for input_ids (B, T)."""
+        optionally logits, for input_ids (B, T). Inputs go to the embedding's device; the outputs
+        come back on input_ids' device (where the caller's heads are), also for a split target."""
+        if self.loaded_in_parts:
+            raise RuntimeError(f"the target {self.name} was loaded in parts (embedding, final norm, lm_head, "
+                               f"decoder layers {self.decoder_layers.indices}): its forward needs load_target")
+        home = input_ids.device
+        device = self.device if self.device.type != "meta" else home  # meta: offloaded, accelerate's hooks place inputs
+        mask = attention_mask.to(device) if attention_mask is not None else None
         wanted = sorted({layer % (self.num_layers + 1) for layer in layers})
         need_all = any(layer != self.num_layers for layer in wanted)
         out = self.model.model(
-            input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=need_all, use_cache=False
+            input_ids=input_ids.to(device), attention_mask=mask, output_hidden_states=need_all, use_cache=False
         )
         final = out.last_hidden_state  # (B, T, D), after the final norm
         hidden = {}
         for layer in wanted:
-            hidden[layer] = final if layer == self.num_layers else out.hidden_states[layer]
-        logits = self.lm_head(final) if return_logits else None
+            hidden[layer] = (final if layer == self.num_layers else out.hidden_states[layer]).to(home)
+        logits = self.lm_head(final).to(home) if return_logits else None
         return TargetFeatures(hidden=hidden, logits=logits)
 
     # -- identity --------------------------------------------------------------------------------
@@ -287,20 +318,127 @@ def compute_fingerprint(config, embed_weight: torch.Tensor, lm_head_weight: torc
     return numbers
 
 
+def _max_memory(values: dict | None) -> dict | None:
+    """{"0": "70GiB", "cpu": ...} -> accelerate's form, GPU indices as ints."""
+    if not values:
+        return None
+    return {int(k) if str(k).isdigit() else k: v for k, v in values.items()}
+
+
 def load_target(config: TargetConfig, model: nn.Module | None = None, tokenizer=None) -> FrozenTarget:
-    """Load the frozen target described by `config` (or wrap an already built model, for tests)."""
+    """Load the frozen target described by `config` (or wrap an already built model, for tests).
+    With `config.device_map` the layers are placed by transformers/accelerate and never moved."""
     device = resolve_device(config.device)
     dtype = resolve_dtype(config.dtype, device)
+    placed = config.device_map is not None
     if model is None:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         source, extra = resolve_source(config)
         extra = {k: v for k, v in extra.items() if v is not None}
+        placement = {"device_map": config.device_map, "max_memory": _max_memory(config.max_memory)} if placed else {}
         model = AutoModelForCausalLM.from_pretrained(
             source, dtype=dtype, trust_remote_code=config.trust_remote_code,
-            attn_implementation=config.attn_implementation, **extra,
+            attn_implementation=config.attn_implementation, **placement, **extra,
         )
         if tokenizer is None:
             tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=config.trust_remote_code, **extra)
-    model = model.to(device=device, dtype=dtype)
+    if not placed:
+        model = model.to(device=device, dtype=dtype)
     return FrozenTarget(model, tokenizer, name=config.name_or_path)
+
+
+# -- the target in parts ------------------------------------------------------------------------
+class PartialLayers(nn.ModuleDict):
+    """Some decoder layers of a target, under their own indices (state-dict keys stay
+    `model.layers.<i>.*`); indexing by int like the full ModuleList, negative from `total`."""
+
+    def __init__(self, layers: dict[int, nn.Module], total: int):
+        super().__init__({str(i): layer for i, layer in layers.items()})
+        self.total = total
+
+    @property
+    def indices(self) -> list[int]:
+        return [int(k) for k in self.keys()]
+
+    def __getitem__(self, index) -> nn.Module:
+        i = int(index) + (self.total if int(index) < 0 else 0)
+        if str(i) not in self._modules:
+            raise IndexError(f"decoder layer {index} was not loaded (loaded: {self.indices} of {self.total})")
+        return self._modules[str(i)]
+
+
+def _fetch(source: str, filename: str, revision: str | None) -> Path | None:
+    """A file of a local model folder or a hub repository (downloaded alone), or None if absent."""
+    if Path(source).is_dir():
+        path = Path(source) / filename
+        return path if path.is_file() else None
+    from huggingface_hub import hf_hub_download
+    from huggingface_hub.errors import EntryNotFoundError
+
+    try:
+        return Path(hf_hub_download(source, filename, revision=revision))
+    except EntryNotFoundError:
+        return None
+
+
+def read_checkpoint_tensors(source: str, names: Sequence[str], revision: str | None = None) -> dict[str, torch.Tensor]:
+    """The tensors `names` of a safetensors checkpoint (single file or sharded with
+    model.safetensors.index.json), opening only the shards that hold them; absent names are left out."""
+    from safetensors import safe_open
+
+    index = _fetch(source, "model.safetensors.index.json", revision)
+    if index is not None:
+        weight_map = json.loads(index.read_text())["weight_map"]
+    else:
+        single = _fetch(source, "model.safetensors", revision)
+        if single is None:
+            raise FileNotFoundError(f"{source} has no safetensors weights (model.safetensors[.index.json]); "
+                                    "loading a target in parts reads them")
+        with safe_open(str(single), framework="pt") as handle:
+            weight_map = {key: "model.safetensors" for key in handle.keys()}
+    by_file: dict[str, list[str]] = {}
+    for name in names:
+        if name in weight_map:
+            by_file.setdefault(weight_map[name], []).append(name)
+    tensors = {}
+    for filename, keys in by_file.items():
+        with safe_open(str(_fetch(source, filename, revision)), framework="pt") as handle:
+            tensors.update({key: handle.get_tensor(key) for key in keys})
+    return tensors
+
+
+def load_target_parts(config: TargetConfig, layers: Sequence[int] = (), tokenizer=None) -> FrozenTarget:
+    """The target's embedding, final norm and lm_head, plus the decoder `layers` asked for, read
+    from its safetensors; the other decoder layers are neither built nor read. Enough to train
+    heads from a finished feature cache (same fingerprint as the whole target); `features` refuses."""
+    from accelerate import init_empty_weights
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    device = resolve_device(config.device)
+    dtype = resolve_dtype(config.dtype, device)
+    source, extra = resolve_source(config)
+    extra = {k: v for k, v in extra.items() if v is not None}
+    model_config = AutoConfig.from_pretrained(source, trust_remote_code=config.trust_remote_code, **extra)
+    total = model_config.num_hidden_layers
+    keep = sorted({layer % total for layer in layers})
+    model_config.num_hidden_layers = len(keep)  # build only these; the true count is restored below
+    with init_empty_weights(include_buffers=False):  # parameters on meta, rotary buffers computed
+        model = AutoModelForCausalLM.from_config(model_config, trust_remote_code=config.trust_remote_code)
+    model_config.num_hidden_layers = total
+    model.model.layers = PartialLayers(dict(zip(keep, model.model.layers)), total)
+    wanted = list(model.state_dict().keys())
+    tensors = read_checkpoint_tensors(source, wanted, extra.get("revision"))
+    tied = getattr(model_config, "tie_word_embeddings", False)
+    lm_head_key = next(name for name, module in model.named_modules() if module is model.get_output_embeddings())
+    missing = [k for k in wanted if k not in tensors and not (tied and k == lm_head_key + ".weight")]
+    if missing:
+        raise KeyError(f"{source}: the checkpoint lacks {missing[:4]}{'...' if len(missing) > 4 else ''}")
+    model.load_state_dict({k: v.to(dtype) for k, v in tensors.items()}, strict=False, assign=True)
+    if lm_head_key + ".weight" not in tensors:
+        model.get_output_embeddings().weight = model.get_input_embeddings().weight
+    if tokenizer is None:
+        tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=config.trust_remote_code, **extra)
+    log.info("target %s loaded in parts: embedding, final norm, lm_head and decoder layers %s of %d",
+             config.name_or_path, keep, total)
+    return FrozenTarget(model.to(device), tokenizer, name=config.name_or_path)
