@@ -2,7 +2,9 @@
 
 - Offline mode: `offline_source(job, target, prepared)` writes (or resumes) the feature cache
   (data/feature_cache.py) and returns `OfflineFeatures`, a `FeatureSource` that reads it instead
-  of running the target, with the same losses as online mode.
+  of running the target, with the same losses as online mode. Once the cache is finished,
+  `parts_only_layers(job)` says the job needs only the target's embedding, final norm, lm_head
+  (and EAGLE's init layers): `heads.target.load_target_parts` loads just those.
 - Self-distillation: `regenerate_data(job, target, generate_fn=None)` rewrites the assistant turns
   with the target (data/regenerate.py) and returns the ShareGPT JSONL that `data.source` should
   point to. The orchestrator (train/pipeline.py) may pass the lean runtime's generator (library
@@ -92,7 +94,28 @@ def offline_source(job, target, prepared, layer: int = -1) -> OfflineFeatures:
     if rank == 0:
         write_index(directory)
     _wait_for([directory / "index.json"], "feature index")
-    return OfflineFeatures(FeatureCache(directory), layer=layer, dtype=target.dtype)
+    cache = FeatureCache(directory)
+    written_by = cache.index.get("target") or {}
+    if written_by.get("id") and written_by["id"] != target.fingerprint()["id"]:
+        raise ValueError(f"feature cache {directory} was written by another target (fingerprint {written_by['id']}, "
+                         f"this one {target.fingerprint()['id']}); delete it or choose another data.feature_cache_dir")
+    return OfflineFeatures(cache, layer=layer, dtype=target.dtype)
+
+
+def parts_only_layers(job) -> list[int] | None:
+    """The decoder layers the job still reads from the target when its feature cache is finished
+    and no stage runs the target (EAGLE: layer 0, whose shape the head copies, and
+    heads.eagle.init_layer, its initial weights; Medusa or trainer.init_from: none).
+    None when the job needs the whole target: online mode, an unfinished cache, regeneration, eval."""
+    stages = set(job.stages)
+    if job.data.mode != "offline" or job.data.regenerate.enabled or not stages <= {"data", "features", "train", "export"}:
+        return None
+    if not (feature_cache_dir(job) / "index.json").is_file():
+        return None
+    if job.heads.type != "eagle" or job.trainer.init_from:
+        return []
+    init = job.heads.eagle.init_layer
+    return [0] + ([init] if init is not None else [])
 
 
 def _eos_ids(target) -> list[int]:

@@ -159,6 +159,29 @@ def _target_placement(job: JobConfig, target_gb: float, budget_gb: float, reserv
     return min(span, gpus)
 
 
+def _sizes(job: JobConfig) -> tuple[int, float, float, float]:
+    """(bytes per element, usable GB per GPU, target GB, GB of one no-grad target forward)."""
+    arch, trainer = _require(job.model.arch), job.trainer
+    dtype_bytes = 2 if trainer.mixed_precision != "no" else 4
+    budget = job.deepspeed.gpu_memory_gb * job.deepspeed.memory_headroom
+    target_gb = target_parameter_count(arch) * dtype_bytes / GB
+    # no-grad target forward: the kept feature layers plus one decoder layer's transients
+    D, B, T = arch.hidden_size, trainer.batch_size, job.data.max_length
+    forward_gb = B * T * (feature_layers(job) * D + 4 * D + 2 * arch.intermediate_size) * dtype_bytes / GB
+    return dtype_bytes, budget, target_gb, forward_gb
+
+
+def target_span(job: JobConfig) -> int:
+    """GPUs one copy of the whole target spans when it runs (feature extraction in offline mode,
+    every step online): 1 = replicated on every GPU, else split over a group of that many GPUs.
+    Decided by deepspeed.target_placement, deepspeed.num_gpus and gpu_memory_gb."""
+    dtype_bytes, budget, target_gb, forward_gb = _sizes(job)
+    if job.data.mode == "offline":
+        return _target_placement(job, target_gb, budget, forward_gb)
+    training = _head_items(job, job.deepspeed.num_gpus * job.deepspeed.num_nodes, dtype_bytes)
+    return _target_placement(job, target_gb, budget, sum(i.gigabytes for i in training) + forward_gb)
+
+
 def _head_items(job: JobConfig, world: int, dtype_bytes: int) -> list[Item]:
     """Per-GPU memory of the head's training: frozen target pieces, ZeRO states, activations."""
     arch, ds, B, T = job.model.arch, job.deepspeed, job.trainer.batch_size, job.data.max_length
@@ -184,13 +207,9 @@ def make_plan(job: JobConfig, num_records: int | None = None, tokens_per_record:
     """
     arch = _require(job.model.arch)
     ds, trainer = job.deepspeed, job.trainer
-    dtype_bytes = 2 if trainer.mixed_precision != "no" else 4
-    budget = ds.gpu_memory_gb * ds.memory_headroom
+    dtype_bytes, budget, target_gb, forward_gb = _sizes(job)
     B, T, D = trainer.batch_size, job.data.max_length, arch.hidden_size
     layers = feature_layers(job)
-    target_gb = target_parameter_count(arch) * dtype_bytes / GB
-    # no-grad target forward: the kept feature layers plus one decoder layer's transients
-    forward_gb = B * T * (layers * D + 4 * D + 2 * arch.intermediate_size) * dtype_bytes / GB
     offline = job.data.mode == "offline"
 
     world = ds.num_gpus * ds.num_nodes
@@ -198,7 +217,7 @@ def make_plan(job: JobConfig, num_records: int | None = None, tokens_per_record:
     if offline:
         training.append(Item("feature batch", B * T * D * layers * dtype_bytes / GB, "read from the cache; target not loaded"))
     else:
-        span = _target_placement(job, target_gb, budget, sum(i.gigabytes for i in training) + forward_gb)
+        span = target_span(job)
         world //= span
         training = _head_items(job, world, dtype_bytes)
         where = "replicated per GPU" if span == 1 else f"split across {span} GPUs per process (pipeline)"
@@ -220,7 +239,7 @@ def make_plan(job: JobConfig, num_records: int | None = None, tokens_per_record:
         training=training, gpu_budget_gb=budget, max_steps=trainer.max_steps,
     )
     if offline:
-        span = _target_placement(job, target_gb, budget, forward_gb)
+        span = target_span(job)
         plan.extraction_replicas_per_node = max(1, ds.num_gpus // span)
         where = ("replicated per GPU" if span == 1
                  else f"split across {span} GPUs; {plan.extraction_replicas_per_node} copies per node")
