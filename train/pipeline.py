@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from heads.target import FrozenTarget, load_target
+from heads.target import FrozenTarget, load_target, load_target_parts
 from train.job import ConfigError, JobConfig
 
 log = logging.getLogger(__name__)
@@ -43,6 +43,19 @@ def check_arch(job: JobConfig, target: FrozenTarget) -> None:
         raise ConfigError(f"heads.hidden_size={job.heads.hidden_size} differs from the target's {target.hidden_size}")
 
 
+def load_job_target(job: JobConfig) -> FrozenTarget:
+    """The target as this process's stages need it: only its embedding, final norm and lm_head
+    (+ EAGLE's init layers) when training reads a finished feature cache, else the whole model,
+    split over this process's GPU group when one GPU cannot hold it."""
+    from train.distributed import placed_target_config
+    from train.offline import parts_only_layers
+
+    layers = parts_only_layers(job)
+    if layers is not None:
+        return load_target_parts(job.model, layers)
+    return load_target(placed_target_config(job))
+
+
 def _write_json(path: Path, values: dict) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(path.suffix + ".tmp")
@@ -62,7 +75,7 @@ def run_job(job: JobConfig) -> dict:
         torch.set_num_threads(job.trainer.num_threads)
     started = time.time()
     log.info("job %s: stages %s, run folder %s", job.recipe, job.stages, run_dir)
-    target = load_target(job.model)
+    target = load_job_target(job)
     check_arch(job, target)
     summary: dict = {"recipe": job.recipe, "target": target.name, "fingerprint": target.fingerprint(),
                      "hardware": hardware()}
