@@ -1,8 +1,18 @@
-"""`python -m eval [head=DIR] [runtime.drafters=[...]] [runtime.KEY=...] [model=...] [prompts_file=...] [out=DIR]`
+"""`python -m eval [head=DIR|release] [runtime.drafters=[...]] [runtime.KEY=...] [model=...] [prompts_file=...] [out=DIR]`
 
 Measures drafters on held-out ShareGPT prompts (or a JSONL of prompts) and writes report.json,
 report.md and plots to `out`. `head` is a head checkpoint or an export folder; without it only the
-head-free drafters run (prompt_lookup, self_speculation). Hydra and OmegaConf stop here.
+head-free drafters run (prompt_lookup, self_speculation). `head=release` is the trained EAGLE head
+shipped in the repository for the embedded default (SmolLM2-135M-Instruct), the export folder
+`heads/release/eagle_smollm2_135m/`:
+
+    python -m eval head=release                    # EAGLE-2 tree + chain + prompt lookup vs plain
+    python -m eval head=release runtime.drafters=[eagle_tree] runtime.num_prompts=4
+
+On the CPU runtime (conf/runtime/cpu.yaml) the EAGLE tree size is chosen at start from the
+verification-cost curve measured on the machine (`runtime.tree_total_tokens=auto`; an integer fixes
+it), and `runtime.fallback=true` switches to plain decoding steps while speculation does not pay.
+Hydra and OmegaConf stop here.
 """
 from __future__ import annotations
 
@@ -22,7 +32,9 @@ from data.config import DataConfig
 from eval.config import RuntimeConfig
 from heads.target import TargetConfig
 
-CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
+ROOT = Path(__file__).resolve().parent.parent
+CONF_DIR = str(ROOT / "conf")
+RELEASE_HEAD_DIR = ROOT / "heads" / "release" / "eagle_smollm2_135m"  # head=release
 log = logging.getLogger("eval")
 
 
@@ -79,19 +91,36 @@ def training_reply_tokens(data_config: DataConfig, tokenizer, records: int = 100
     return [tokenizer(text, add_special_tokens=False)["input_ids"] for text in replies]
 
 
+def resolve_head(head: str) -> Path:
+    """`head=` value -> folder: the alias `release` names RELEASE_HEAD_DIR; anything else is a path."""
+    if head != "release":
+        return Path(head)
+    if not (RELEASE_HEAD_DIR / "specheads.json").is_file():
+        raise FileNotFoundError(f"head=release: no release head export at {RELEASE_HEAD_DIR} (expected an export "
+                                "folder with specheads.json); pass head=DIR for another checkpoint or export")
+    return RELEASE_HEAD_DIR
+
+
+def load_eval_head(head: str, target, strict_fingerprint: bool = True):
+    """A head checkpoint, an export folder or `release` -> (head in eval mode on the target's device, config)."""
+    from export import load_export
+
+    loaded, config, _ = load_export(resolve_head(head), target, strict_fingerprint)
+    return loaded.to(target.model.device).eval(), config
+
+
 def run(cfg: EvalEntryConfig) -> dict:
     from eval.run import HEAD_DRAFTERS, evaluate, frequent_token_ids
     from heads.target import load_target
 
     runtime = cfg.runtime
+    if cfg.head:
+        resolve_head(cfg.head)  # a missing release head fails before the target loads
     target = load_target(TargetConfig(**{f.name: getattr(cfg.model, f.name) for f in dataclasses.fields(TargetConfig)}))
     head = head_config = None
     drafters = list(runtime.drafters)
     if cfg.head:
-        from export import load_export
-
-        head, head_config, _ = load_export(cfg.head, target, cfg.strict_fingerprint)
-        head = head.to(target.model.device).eval()
+        head, head_config = load_eval_head(cfg.head, target, cfg.strict_fingerprint)
     else:
         kept = [d for d in drafters if d not in HEAD_DRAFTERS]
         if len(kept) < len(drafters):

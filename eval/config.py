@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass
@@ -18,7 +19,10 @@ class RuntimeConfig:
     chain_depth: int = 4
     tree_top_k: int = 4  # EAGLE-2 expansion width
     tree_depth: int = 4
-    tree_total_tokens: int = 16
+    # Tokens per verification, root included: an int, or "auto" = chosen at start from this machine's
+    # measured verification-cost curve and the head's acceptance per budget (eval.run.choose_tree_budget).
+    tree_total_tokens: Any = 16
+    tree_auto_sizes: list[int] = field(default_factory=lambda: [2, 3, 4, 6, 8, 12, 16, 24, 32])  # "auto" candidates
     medusa_choices: str = "auto"  # auto (from measured head accuracies) | mc_sim_7b_63 | JSON list
     typical_acceptance: bool = False  # Medusa's typical acceptance: LOSSY
     compare_transformers: bool = True
@@ -29,4 +33,8 @@ class RuntimeConfig:
     draft_vocab_size: int = 0  # EAGLE/Medusa drafts over the N most frequent training-reply tokens; 0 = full vocabulary
     seed: int = 0  # sampling generators (one per prompt, the same for every method)
     fuse_projections: bool = True  # lean forward: fused q|k|v and gate|up matmuls (LeanLlama.from_hf)
+    # Never speculate at a loss: EAGLE, Medusa and prompt-lookup steps fall back to plain decoding while
+    # measured tokens per speculative step do not beat its measured cost in plain steps; probes every N steps.
+    fallback: bool = False
+    fallback_probe_every: int = 16
     pack_multi_row: bool = True  # lean forward on CPU fp32: oneDNN-packed weights for N >= 2 tokens

@@ -32,22 +32,22 @@ def markdown_table(report: dict) -> str:
         f"{report['num_prompts']} prompts, max_new_tokens={report['runtime']['max_new_tokens']}, "
         f"sampling={report['sampling']}, {report['threads']} threads.",
         "",
-        "| method | verification | settings | τ (bonus incl.) | mean tree | draft ms/step | verify ms/step "
+        "| method | verification | settings | τ (bonus incl.) | speculated | mean tree | draft ms/step | verify ms/step "
         "| verify ÷ plain step | break-even τ | tokens/s | vs plain | vs transformers | greedy identical |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     hf = baselines.get("transformers")
     if hf is not None:
-        lines.append(f"| transformers generate | – | – | 1.00 | – | – | – | – | – | {_fmt(hf['tokens_per_second'])} "
+        lines.append(f"| transformers generate | – | – | 1.00 | – | – | – | – | – | – | {_fmt(hf['tokens_per_second'])} "
                      f"| {_fmt(hf['tokens_per_second'] / plain['tokens_per_second'] if plain['tokens_per_second'] else None)} "
                      f"| 1.00 | {_fmt(hf.get('greedy_identical'))} |")
-    lines.append(f"| plain (lean forward) | – | – | 1.00 | – | – | – | 1.00 | 1.00 | {_fmt(plain['tokens_per_second'])} | 1.00 "
-                 f"| {_fmt(plain.get('speedup_vs_transformers'))} | – |")
+    lines.append(f"| plain (lean forward) | – | – | 1.00 | – | – | – | – | 1.00 | 1.00 | {_fmt(plain['tokens_per_second'])} "
+                 f"| 1.00 | {_fmt(plain.get('speedup_vs_transformers'))} | – |")
     for row in report["drafters"]:
         verification = "typical (LOSSY)" if row["lossy"] else row["verification"]
         lines.append(
             f"| {row['name']} | {verification} | {_settings(row['settings'])} | {_fmt(row.get('tau'))} "
-            f"| {_fmt(row.get('mean_tree_size'), 1)} | {_fmt(row.get('draft_ms_per_step'), 1)} "
+            f"| {_fmt(row.get('speculated_fraction'))} | {_fmt(row.get('mean_tree_size'), 1)} | {_fmt(row.get('draft_ms_per_step'), 1)} "
             f"| {_fmt(row.get('verify_ms_per_step'), 1)} | {_fmt(row.get('verify_cost_in_plain_steps'))} "
             f"| {_fmt(row.get('break_even_tau'))} "
             f"| {_fmt(row['tokens_per_second'])} "
@@ -62,11 +62,30 @@ def markdown_table(report: dict) -> str:
         for row in depth_rows:
             values = row["acceptance_per_depth"] + [None] * (width - len(row["acceptance_per_depth"]))
             lines.append(f"| {row['name']} | " + " | ".join(_fmt(v) for v in values) + " |")
+    lines += _budget_lines(report.get("eagle_tree_budget"))
     lines += ["", "Notes:", ""] + [f"- {note}" for note in report.get("notes", [])]
     mismatched = [r["name"] for r in report["drafters"] if r.get("greedy_identical") is False]
     if mismatched:
         lines += ["", f"**GREEDY MISMATCH against plain decoding: {', '.join(mismatched)}**"]
     return "\n".join(lines) + "\n"
+
+
+def _budget_lines(budget: dict | None) -> list[str]:
+    """The eagle_tree total_tokens "auto" calibration: cost curve, expected τ and value per size."""
+    if not budget:
+        return []
+    lines = ["", f"EAGLE tree size chosen from this machine's verification-cost curve: total_tokens="
+             f"{budget['chosen']} ({budget['positions']} teacher-forced positions on {budget['calibration_prompts']} "
+             "calibration prompts, which are also measured above). Costs in plain decode steps "
+             f"(one-token forward = {1000 * budget['verify_seconds_by_tokens'][1]:.1f} ms):", "",
+             "| total_tokens | verify cost | draft cost | expected τ | expected tokens per plain-step time |",
+             "| --- | --- | --- | --- | --- |"]
+    for size, value in budget["tokens_per_plain_step_by_size"].items():
+        mark = " (chosen)" if size == budget["chosen"] else ""
+        lines.append(f"| {size}{mark} | {_fmt(budget['verify_cost_in_plain_steps'][size])} "
+                     f"| {_fmt(budget['draft_cost_in_plain_steps'][size])} | {_fmt(budget['expected_tau_by_size'][size])} "
+                     f"| {_fmt(value)} |")
+    return lines
 
 
 def _tree_points(report: dict) -> list[tuple[int, dict]]:

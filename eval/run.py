@@ -14,8 +14,9 @@ import torch
 
 from eval.config import RuntimeConfig
 from eval.drafters import Drafter
+from eval.drafters.adaptive import FallbackDrafter, SpeculationGate
 from eval.drafters.draft_model import DynamicGamma, self_speculation_drafter
-from eval.drafters.eagle import EagleDrafter
+from eval.drafters.eagle import EagleDrafter, measure_tree_acceptance
 from eval.drafters.medusa import MedusaDrafter, measure_rank_accuracies
 from eval.drafters.prompt_lookup import PromptLookupDrafter
 from eval.generate import GenerationResult, plain_generate, speculative_generate
@@ -30,6 +31,7 @@ log = logging.getLogger(__name__)
 
 DRAFTERS = ("medusa", "eagle_chain", "eagle_tree", "prompt_lookup", "self_speculation", "draft_model")
 HEAD_DRAFTERS = {"medusa": MedusaHeads, "eagle_chain": EagleHead, "eagle_tree": EagleHead}
+GATED_DRAFTERS = ("medusa", "eagle_chain", "eagle_tree", "prompt_lookup")  # runtime.fallback (draft models gate themselves)
 MEDUSA_AUTO_SIZES = (4, 8, 16, 32, 64)  # candidate node budgets for the tree built from measured accuracies
 CALIBRATION_PROMPTS = 4
 
@@ -45,10 +47,76 @@ class Method:
     sweep: bool = False  # a tree-size sweep point (eagle_tree at another total_tokens)
 
 
-def _eagle(head, lean, mode, runtime: RuntimeConfig, total_tokens=None, draft_vocab=None) -> Callable[[], Drafter]:
-    return lambda: EagleDrafter(head, lean, mode=mode, depth=runtime.chain_depth if mode == "chain" else runtime.tree_depth,
-                                top_k=runtime.tree_top_k, total_tokens=total_tokens or runtime.tree_total_tokens,
-                                draft_vocab=draft_vocab)
+def _eagle(head, lean, mode, runtime: RuntimeConfig, total_tokens: int, draft_vocab=None) -> EagleDrafter:
+    return EagleDrafter(head, lean, mode=mode, depth=runtime.chain_depth if mode == "chain" else runtime.tree_depth,
+                        top_k=runtime.tree_top_k, total_tokens=total_tokens, draft_vocab=draft_vocab)
+
+
+def _greedy_sequences(lean: LeanLlama, prompts, max_new_tokens: int, eos) -> tuple[list[torch.Tensor], list[int]]:
+    """Calibration data: (prompt + plain greedy continuation) for the first CALIBRATION_PROMPTS prompts."""
+    sequences, lengths = [], []
+    for prompt in prompts[:CALIBRATION_PROMPTS]:
+        tokens = plain_generate(lean, prompt, max_new_tokens, SamplingConfig(), eos).tokens
+        sequences.append(torch.cat([prompt, torch.tensor(tokens)]))
+        lengths.append(prompt.shape[0])
+    return sequences, lengths
+
+
+def choose_tree_budget(verify_seconds: dict[int, float], accepted: dict[int, float],
+                       draft_seconds: dict[int, float]) -> tuple[int, dict[int, float]]:
+    """The total_tokens budget n with the most expected tokens per plain-decode-step time,
+    (1 + accepted[n]) * verify_seconds[1] / (verify_seconds[n] + draft_seconds[n]) (accepted: mean
+    accepted drafts; verify_seconds[n]: one target forward over n tokens). Returns (n, values)."""
+    values = {n: (1.0 + accepted[n]) * verify_seconds[1] / (verify_seconds[n] + draft_seconds[n]) for n in accepted}
+    return max(values, key=lambda n: (values[n], -n)), values
+
+
+def _eagle_tree_budget(head, lean: LeanLlama, runtime: RuntimeConfig, prompts, eos, draft_vocab) -> tuple[int, dict]:
+    """runtime.tree_total_tokens "auto": the budget from the measured verification-cost curve of
+    this machine and the head's teacher-forced acceptance per budget on calibration prompts."""
+    budgets = sorted(set(runtime.tree_auto_sizes))
+    if not budgets or budgets[0] < 2:
+        raise ValueError(f"runtime.tree_auto_sizes must be total_tokens budgets >= 2, got {runtime.tree_auto_sizes}")
+    sequences, lengths = _greedy_sequences(lean, prompts, runtime.max_new_tokens, eos)
+    drafter = _eagle(head, lean, "tree", runtime, budgets[-1], draft_vocab)
+    measured = measure_tree_acceptance(drafter, sequences, lengths, budgets)
+    costs = verify_costs(lean, prompts[0], (1, *budgets))
+    per_level = measured["expand_seconds"] / measured["levels"]
+    draft = {n: measured["catch_up_seconds"] + per_level * min(runtime.tree_depth, n - 1) for n in budgets}
+    best, values = choose_tree_budget(costs, measured["accepted"], draft)
+    log.info("eagle_tree total_tokens auto: %d (expected tau %.2f, %.2f tokens per plain-step time; verify cost in "
+             "plain steps %s)", best, 1 + measured["accepted"][best], values[best],
+             {n: round(costs[n] / costs[1], 2) for n in budgets})
+    return best, {
+        "chosen": best, "calibration_prompts": len(sequences), "positions": measured["positions"],
+        "verify_seconds_by_tokens": costs,
+        "verify_cost_in_plain_steps": {n: costs[n] / costs[1] for n in costs},
+        "draft_cost_in_plain_steps": {n: draft[n] / costs[1] for n in budgets},
+        "expected_tau_by_size": {n: 1.0 + a for n, a in measured["accepted"].items()},
+        "tokens_per_plain_step_by_size": values,
+    }
+
+
+def _fixed_tree_total_tokens(runtime: RuntimeConfig) -> int | None:
+    """runtime.tree_total_tokens as an int, or None for "auto"."""
+    total = runtime.tree_total_tokens
+    if total == "auto":
+        return None
+    if isinstance(total, bool) or not isinstance(total, int) or total < 2:
+        raise ValueError(f"runtime.tree_total_tokens must be an integer >= 2 or 'auto', got {total!r}")
+    return total
+
+
+def _plain_seconds(lean: LeanLlama, prompts) -> float:
+    prompt = prompts[0] if len(prompts) else torch.zeros(1, dtype=torch.long)
+    return verify_costs(lean, prompt, (1,))[1]
+
+
+def _gated(build: Callable[[], Drafter], runtime: RuntimeConfig, plain_seconds: float,
+           initial_tau: float = 2.0) -> Callable[[], Drafter]:
+    if not runtime.fallback:
+        return build
+    return lambda: FallbackDrafter(build(), SpeculationGate(plain_seconds, initial_tau, runtime.fallback_probe_every))
 
 
 def frequent_token_ids(token_lists: Sequence[Sequence[int]], size: int) -> torch.Tensor:
@@ -71,11 +139,7 @@ def _medusa_choices(heads: MedusaHeads, lean: LeanLlama, runtime: RuntimeConfig,
         return parse_choices(runtime.medusa_choices), {}
     chain = [(0,) * (k + 1) for k in range(heads.config.num_heads)]
     probe = MedusaDrafter(heads, lean, chain, draft_vocab)
-    sequences, lengths = [], []
-    for prompt in prompts[:CALIBRATION_PROMPTS]:
-        tokens = plain_generate(lean, prompt, runtime.max_new_tokens, SamplingConfig(), eos).tokens
-        sequences.append(torch.cat([prompt, torch.tensor(tokens)]))
-        lengths.append(prompt.shape[0])
+    sequences, lengths = _greedy_sequences(lean, prompts, runtime.max_new_tokens, eos)
     accuracies = measure_rank_accuracies(probe, sequences, lengths, top=10)
     costs = verify_costs(lean, prompts[0], (1, *(n + 1 for n in MEDUSA_AUTO_SIZES)))  # root + n nodes
     trees = {n: build_tree_from_accuracies(accuracies, n) for n in MEDUSA_AUTO_SIZES}
@@ -112,7 +176,9 @@ def build_methods(names: Sequence[str], runtime: RuntimeConfig, lean: LeanLlama,
                   eos=(), draft_vocab=None) -> tuple[list[Method], dict]:
     """Drafter names -> Methods (plain first). Head drafters whose head is missing are skipped
     with a warning. Returns (methods, extra report fields)."""
-    methods, extra = [Method("plain", None)], {}
+    names, methods, extra = list(names), [Method("plain", None)], {}
+    gate = {"fallback": runtime.fallback}
+    plain_seconds = _plain_seconds(lean, prompts) if runtime.fallback and set(names) & set(GATED_DRAFTERS) else 0.0
     for name in names:
         if name not in DRAFTERS:
             raise ValueError(f"runtime.drafters: unknown drafter {name!r} (one of {DRAFTERS})")
@@ -120,36 +186,44 @@ def build_methods(names: Sequence[str], runtime: RuntimeConfig, lean: LeanLlama,
         if needed is not None and not isinstance(head, needed):
             log.warning("skipping %s: it needs a %s head (got %s)", name, needed.__name__, type(head).__name__)
             continue
+        vocab = {} if draft_vocab is None else {"draft_vocab": len(draft_vocab)}
         if name == "prompt_lookup":
-            methods.append(Method(name, lambda: PromptLookupDrafter(runtime.prompt_lookup_tokens),
-                                  settings={"num_draft": runtime.prompt_lookup_tokens}))
+            methods.append(Method(name, _gated(lambda: PromptLookupDrafter(runtime.prompt_lookup_tokens), runtime,
+                                               plain_seconds),
+                                  settings={"num_draft": runtime.prompt_lookup_tokens, **gate}))
         elif name in ("self_speculation", "draft_model"):
             layers = runtime.draft_layers or max(1, lean.config.num_layers // 4)
             cost = _draft_cost(lean, layers)
             methods.append(Method(name, lambda layers=layers, cost=cost: self_speculation_drafter(
                 lean, layers, DynamicGamma(draft_cost=cost)), settings={"draft_layers": layers, "draft_cost": round(cost, 3)}))
         elif name == "eagle_chain":
-            vocab = {} if draft_vocab is None else {"draft_vocab": len(draft_vocab)}
-            methods.append(Method(name, _eagle(head, lean, "chain", runtime, draft_vocab=draft_vocab),
-                                  settings={"depth": runtime.chain_depth, **vocab}))
+            methods.append(Method(name, _gated(lambda: _eagle(head, lean, "chain", runtime, 2, draft_vocab), runtime,
+                                               plain_seconds),
+                                  settings={"depth": runtime.chain_depth, **vocab, **gate}))
         elif name == "eagle_tree":
-            tree = {"top_k": runtime.tree_top_k, "depth": runtime.tree_depth}
-            if draft_vocab is not None:
-                tree["draft_vocab"] = len(draft_vocab)
-            methods.append(Method(name, _eagle(head, lean, "tree", runtime, draft_vocab=draft_vocab),
-                                  settings={**tree, "total_tokens": runtime.tree_total_tokens}))
+            tree, initial_tau = {"top_k": runtime.tree_top_k, "depth": runtime.tree_depth, **vocab}, 2.0
+            total = _fixed_tree_total_tokens(runtime)
+            if total is None:
+                total, extra["eagle_tree_budget"] = _eagle_tree_budget(head, lean, runtime, prompts, eos, draft_vocab)
+                initial_tau = extra["eagle_tree_budget"]["expected_tau_by_size"][total]
+                tree["total_tokens_auto"] = True
+            methods.append(Method(name, _gated(lambda total=total: _eagle(head, lean, "tree", runtime, total, draft_vocab),
+                                               runtime, plain_seconds, initial_tau),
+                                  settings={**tree, "total_tokens": total, **gate}))
+            tree.pop("total_tokens_auto", None)
             for size in runtime.tree_sweep:
-                if size != runtime.tree_total_tokens:
-                    methods.append(Method(f"eagle_tree@{size}", _eagle(head, lean, "tree", runtime, size, draft_vocab),
-                                          settings={**tree, "total_tokens": size}, sweep=True))
+                if size != total:
+                    methods.append(Method(f"eagle_tree@{size}",
+                                          lambda size=size: _eagle(head, lean, "tree", runtime, size, draft_vocab),
+                                          settings={**tree, "total_tokens": size, "fallback": False}, sweep=True))
         elif name == "medusa":
             choices, calibration = _medusa_choices(head, lean, runtime, prompts, eos, draft_vocab)
             extra["medusa"] = {"choices": [list(c) for c in choices], **calibration}
             verification = "typical" if runtime.typical_acceptance else "lossless"
-            vocab = {} if draft_vocab is None else {"draft_vocab": len(draft_vocab)}
-            methods.append(Method(name, lambda choices=choices: MedusaDrafter(head, lean, choices, draft_vocab),
+            methods.append(Method(name, _gated(lambda choices=choices: MedusaDrafter(head, lean, choices, draft_vocab),
+                                               runtime, plain_seconds),
                                   verification, settings={"tree_nodes": len(choices), "choices": runtime.medusa_choices,
-                                                          **vocab}))
+                                                          **vocab, **gate}))
     return methods, extra
 
 
@@ -203,9 +277,12 @@ def summarize(results: list[GenerationResult], reference: list[list[int]] | None
     if steps:
         depth = max(max(r.tree_sizes) for r in results if r.tree_sizes)
         max_accepted = max(steps)
+        speculated = [a for r in results for a, size in zip(r.accepted, r.tree_sizes) if size > 0]
         summary.update(
             steps=len(steps),
             tau=sum(a + 1 for a in steps) / len(steps),
+            speculated_fraction=len(speculated) / len(steps),
+            tau_when_speculating=sum(a + 1 for a in speculated) / len(speculated) if speculated else None,
             acceptance_per_depth=[sum(a >= d for a in steps) / len(steps) for d in range(1, min(depth, max_accepted + 1) + 1)],
             mean_tree_size=sum(s for r in results for s in r.tree_sizes) / len(steps),
             draft_ms_per_step=1000 * sum(t for r in results for t in r.draft_times) / len(steps),
@@ -238,7 +315,8 @@ def evaluate(target, prompts: Sequence[Sequence[int]], drafter_specs: Sequence[s
     if eos_token_ids is None:
         eos = getattr(getattr(target, "tokenizer", None), "eos_token_id", None)
         eos_token_ids = [] if eos is None else [eos]
-    longest_tree = max([runtime.tree_total_tokens, *runtime.tree_sweep, 64])
+    fixed = _fixed_tree_total_tokens(runtime)
+    longest_tree = max([fixed or 0, *runtime.tree_auto_sizes, *runtime.tree_sweep, 64])
     max_len = max(p.shape[0] for p in prompts) + runtime.max_new_tokens + longest_tree + 8
     lean = LeanLlama.from_hf(target.model, max_seq_len=max_len, attention=runtime.attention)
     methods, extra = build_methods(list(drafter_specs or runtime.drafters), runtime, lean, head, prompts,
@@ -314,6 +392,9 @@ def _assemble(methods: list[Method], summaries: dict, runtime: RuntimeConfig, ta
             "tokens/s = decode throughput after the first token (prefill excluded), summed over prompts.",
             "speedups are ratios of tokens/s measured in this run, methods interleaved per prompt.",
             "acceptance_per_depth[d-1] = fraction of steps that accepted at least d drafted tokens.",
+            "speculated = fraction of target forwards that verified drafts; the rest were plain decode steps "
+            "(fallback: speculation off while it does not pay, or no draft, e.g. no prompt-lookup match); "
+            "tau_when_speculating counts those steps only.",
             "break_even_tau = (draft + verify time per step) / plain time per token: the tau a drafter needs "
             "at its measured costs to match plain decoding.",
             "verification 'typical' (Medusa typical acceptance) is LOSSY; all others are lossless.",

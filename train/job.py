@@ -128,7 +128,8 @@ def validate_job(job: JobConfig) -> JobConfig:
     _positive("runtime.temperature", r.temperature, allow_zero=True)
     if not 0.0 < r.top_p <= 1.0:
         raise ConfigError(f"runtime.top_p={r.top_p} must be in (0, 1]")
-    _positive("runtime.tree_total_tokens", r.tree_total_tokens)
+    if r.tree_total_tokens != "auto":  # an int, or "auto" (chosen from measured costs by eval)
+        _positive("runtime.tree_total_tokens", r.tree_total_tokens)
     _positive("runtime.tree_depth", r.tree_depth)
     _positive("runtime.tree_top_k", r.tree_top_k)
     for fmt in job.export.formats:

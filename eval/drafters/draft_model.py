@@ -9,6 +9,7 @@ from typing import Sequence
 import torch
 
 from eval.drafters import Candidates, DraftState
+from eval.drafters.adaptive import DecayedRatio, ProbeSchedule
 from eval.model import LeanLlama
 from eval.sampling import probabilities, sample
 
@@ -26,7 +27,8 @@ class DynamicGamma:
     tokens per step and costs verify_cost[gamma] + gamma * draft_cost target decode steps; gamma 0
     (no speculation, one plain decode step) commits 1 token for cost 1. The controller picks the
     gamma with the best tokens per cost, so speculation switches off when it stops paying; while
-    off it probes with gamma=1 every `probe_every` steps to notice when drafts improve again.
+    off it probes with gamma=1 every `probe_every` steps to notice when drafts improve again
+    (the same rolling estimate and probe schedule as `eval.drafters.adaptive.SpeculationGate`).
     """
 
     max_gamma: int = 8
@@ -36,14 +38,16 @@ class DynamicGamma:
     probe_every: int = 16
     adaptive: bool = True
     initial_alpha: float = 0.6
-    _accepted: float = field(default=0.0, init=False)
-    _trials: float = field(default=0.0, init=False)
-    _idle: int = field(default=0, init=False)
+    _alpha: DecayedRatio = field(init=False)
+    _probe: ProbeSchedule = field(init=False)
+
+    def __post_init__(self):
+        self._alpha = DecayedRatio(self.initial_alpha, self.decay, prior_weight=2.0)
+        self._probe = ProbeSchedule(self.probe_every)
 
     @property
     def alpha(self) -> float:
-        prior = 2.0  # pseudo-trials for the initial estimate
-        return (self._accepted + prior * self.initial_alpha) / (self._trials + prior)
+        return self._alpha.value
 
     def expected_speedup(self, gamma: int) -> float:
         a = min(self.alpha, 0.999)
@@ -56,19 +60,13 @@ class DynamicGamma:
         if not self.adaptive:
             return self.max_gamma
         best = max(range(self.max_gamma + 1), key=self.expected_speedup)
-        if best == 0:
-            self._idle += 1
-            if self._idle >= self.probe_every:
-                self._idle = 0
-                return 1
-        return best
+        return 1 if best == 0 and self._probe.due() else best
 
     def update(self, accepted: int, gamma: int) -> None:
         """A chain of `gamma` drafts had `accepted` accepted: a truncated-geometric observation."""
         if gamma == 0:
             return
-        self._accepted = self.decay * self._accepted + accepted
-        self._trials = self.decay * self._trials + accepted + (accepted < gamma)
+        self._alpha.add(accepted, accepted + (accepted < gamma))
 
 
 class DraftModelDrafter:

@@ -21,11 +21,14 @@ the EAGLE-2 rule when sampling).
 """
 from __future__ import annotations
 
+import time
+from typing import Sequence
+
 import torch
 
 from eval.drafters import Candidates, DraftState
 from eval.model import LeanLlama, Linear
-from eval.sampling import probabilities, sample
+from eval.sampling import SamplingConfig, probabilities, sample
 from heads.eagle import EagleHead
 
 MODES = ("chain", "tree")
@@ -93,7 +96,7 @@ class EagleDrafter:
         feature = self.catch_up(state)
         if self.mode == "chain":
             return self._chain(state, feature)
-        return self._tree(state, feature)
+        return select_tree(*self.expand(state, feature), self.total_tokens - 1)
 
     def accept(self, state: DraftState, accepted: list[int]) -> None:
         """Nothing to undo: drafts never enter the committed head cache."""
@@ -120,10 +123,11 @@ class EagleDrafter:
         greedy = state.sampling.greedy
         return Candidates.chain(tokens, None if greedy else torch.stack(rows), deterministic=greedy)
 
-    def _tree(self, state: DraftState, feature: torch.Tensor) -> Candidates:
-        """EAGLE-2: expand the top_k best frontier nodes by their top_k children per depth (one
-        batched head forward per depth, tree mask over the drafted entries), score nodes by
-        cumulative draft log-probability, keep the best total_tokens - 1 nodes."""
+    def expand(self, state: DraftState, feature: torch.Tensor) -> tuple[list[int], list[int], list[float], list[int]]:
+        """EAGLE-2 expansion from f̂_{T-1} `feature` (D,): expand the top_k best frontier nodes by
+        their top_k children per depth (one batched head forward per depth, tree mask over the
+        drafted entries), scoring nodes by cumulative draft log-probability. Returns every node's
+        (tokens, parents, scores, depths); `select_tree` keeps the best total_tokens - 1."""
         top_k, length, committed = self.top_k, state.tokens.shape[0], self.cache_length
         logp = torch.log_softmax(self._logits(feature[None]), dim=-1)[0]  # (Vd,)
         scores, tokens = logp.topk(top_k)
@@ -162,7 +166,7 @@ class EagleDrafter:
             best = cumulative.flatten().topk(min(top_k, cumulative.numel())).indices  # (K,)
             frontier = [first + int(i) for i in best]
             frontier_features = out[0][best // top_k]
-        return select_tree(node_tokens, node_parents, node_scores, node_depths, self.total_tokens - 1)
+        return node_tokens, node_parents, node_scores, node_depths
 
 
 def select_tree(tokens: list[int], parents: list[int], scores: list[float], depths: list[int],
@@ -182,3 +186,53 @@ def select_tree(tokens: list[int], parents: list[int], scores: list[float], dept
                             torch.tensor(new_parents, dtype=torch.long))
     candidates.info["scores"] = [scores[i] for i in chosen]
     return candidates
+
+
+def greedy_accepted(candidates: Candidates, truth: list[int]) -> int:
+    """Drafts greedy verification accepts when the target's greedy continuation after the root is
+    `truth`: the longest root path whose tokens equal truth[0], truth[1], ..."""
+    children: dict[int, dict[int, int]] = {}
+    for node, (token, parent) in enumerate(zip(candidates.tokens.tolist(), candidates.parents.tolist())):
+        children.setdefault(parent, {}).setdefault(token, node)
+    node, accepted = -1, 0
+    while accepted < len(truth) and truth[accepted] in children.get(node, {}):
+        node = children[node][truth[accepted]]
+        accepted += 1
+    return accepted
+
+
+@torch.no_grad()
+def measure_tree_acceptance(drafter: EagleDrafter, sequences: Sequence[torch.Tensor], prompt_lengths: Sequence[int],
+                            budgets: Sequence[int]) -> dict:
+    """Teacher-forced EAGLE-2 trees along greedy continuations (each (T,) sequence = prompt + the
+    target's greedy output): at every generated position, one expansion with the drafter's
+    settings (its total_tokens should be max(budgets)), the tree each total_tokens budget keeps
+    (`select_tree`: a smaller tree is the score-order prefix of a larger one) and how many of its
+    drafts greedy verification would accept.
+    Returns {"accepted": {budget: mean accepted drafts}, "catch_up_seconds", "expand_seconds"
+    (means per position), "levels" (expansion depth), "positions"}."""
+    num_layers = drafter.target.config.num_layers
+    levels = min(drafter.depth, drafter.total_tokens - 1)
+    totals = {budget: 0 for budget in budgets}
+    catch_up_seconds = expand_seconds = 0.0
+    positions = 0
+    for sequence, prompt_length in zip(sequences, prompt_lengths):
+        cache = drafter.target.new_cache(sequence.shape[0])
+        features = drafter.target(sequence, cache, hidden_layers=(-1,), logits="none").hidden[num_layers]  # (T, D)
+        drafter.reset(sequence)
+        for root in range(prompt_length, sequence.shape[0] - levels):  # committed tokens: sequence[: root + 1]
+            state = DraftState(sequence[: root + 1], root, {num_layers: features[drafter.cache_length: root]},
+                               num_layers, SamplingConfig())
+            start = time.perf_counter()
+            feature = drafter.catch_up(state)
+            middle = time.perf_counter()
+            nodes = drafter.expand(state, feature)
+            catch_up_seconds += middle - start
+            expand_seconds += time.perf_counter() - middle
+            truth = sequence[root + 1:].tolist()
+            for budget in budgets:
+                totals[budget] += greedy_accepted(select_tree(*nodes, budget - 1), truth)
+            positions += 1
+    count = max(positions, 1)
+    return {"accepted": {b: t / count for b, t in totals.items()}, "catch_up_seconds": catch_up_seconds / count,
+            "expand_seconds": expand_seconds / count, "levels": levels, "positions": positions}

@@ -1,0 +1,157 @@
+"""Never speculate at a loss: the gate's decisions, and lossless greedy output through
+`FallbackDrafter` when speculation switches off and on mid-sequence (EAGLE catching up on the
+features of plain steps in one batch)."""
+import pytest
+import torch
+
+from eval.drafters import DraftState
+from eval.drafters.adaptive import DecayedRatio, FallbackDrafter, ProbeSchedule, SpeculationGate
+from eval.drafters.eagle import EagleDrafter
+from eval.generate import plain_generate, speculative_generate
+from eval.model import LeanLlama
+from eval.sampling import SamplingConfig
+from heads.eagle import EagleConfig, EagleHead, init_from_target
+from tests.eval.test_generate import OracleDrafter
+from tests.tiny import tiny_target
+
+NEW_TOKENS = 24
+
+
+@pytest.fixture(scope="module")
+def setup():
+    torch.manual_seed(0)
+    target = tiny_target()
+    lean = LeanLlama.from_hf(target.model, max_seq_len=256)
+    head = init_from_target(EagleHead(EagleConfig.from_target(target)), target, layer=-1, fc="feature").eval()
+    return lean, head
+
+
+def prompts(count: int, length: int = 7):
+    generator = torch.Generator().manual_seed(5)
+    return [torch.randint(3, 128, (length,), generator=generator) for _ in range(count)]
+
+
+class Ticks:
+    """A fake clock: every call advances one second, so every step (propose -> accept) takes 1 s."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self):
+        self.now += 1.0
+        return self.now
+
+
+class Script:
+    """A gate that follows a fixed pattern of decisions (cycled) and records what it was told."""
+
+    def __init__(self, pattern):
+        self.pattern, self.calls, self.speculative, self.plain = pattern, 0, [], 0
+
+    def speculate(self):
+        self.calls += 1
+        return self.pattern[(self.calls - 1) % len(self.pattern)]
+
+    def record_speculative(self, tokens, seconds):
+        self.speculative.append((tokens, seconds))
+
+    def record_plain(self, seconds):
+        self.plain += 1
+
+
+def test_decayed_ratio_and_probe_schedule():
+    ratio = DecayedRatio(initial=3.0, decay=0.5, prior_weight=1.0)
+    assert ratio.value == 3.0
+    ratio.add(1.0)
+    assert ratio.value == pytest.approx((1.0 + 0.5 * 3.0) / (1.0 + 0.5))
+    ratio.add(5.0)
+    assert ratio.value == pytest.approx((0.5 * 1.0 + 5.0 + 0.25 * 3.0) / (0.5 + 1.0 + 0.25))
+    assert DecayedRatio(prior_weight=0.0).value is None
+    probe = ProbeSchedule(every=3)
+    assert [probe.due() for _ in range(7)] == [False, False, True, False, False, True, False]
+
+
+def test_gate_switches_off_at_a_loss_probes_and_switches_back():
+    gate = SpeculationGate(plain_seconds=0.01, initial_tau=2.0, probe_every=4)
+    assert gate.speculate() and gate.cost is None  # no speculative step measured yet: try it
+    for _ in range(20):  # 1.2 tokens per step at 2 plain steps each: a loss
+        gate.record_speculative(1, 0.02)
+        gate.record_plain(0.01)
+    assert gate.cost == pytest.approx(2.0) and not gate.pays()
+    assert [gate.speculate() for _ in range(8)] == [False, False, False, True] * 2
+    for _ in range(20):  # drafts got good: 3 tokens per step at the same cost
+        gate.record_speculative(3, 0.02)
+    assert gate.pays() and all(gate.speculate() for _ in range(5))
+    with pytest.raises(ValueError):
+        SpeculationGate(plain_seconds=0.0)
+
+
+@pytest.mark.parametrize("right,wrong", [(0, 3), (4, 0)])
+def test_fallback_greedy_equals_plain_and_follows_acceptance(setup, right, wrong):
+    lean, _ = setup
+    speculated = []
+    gate = SpeculationGate(plain_seconds=1.0, probe_every=4)
+    for prompt in prompts(3):
+        plain = plain_generate(lean, prompt, NEW_TOKENS).tokens
+        clock = Ticks()
+        oracle = OracleDrafter(plain + [0] * 8, prompt.shape[0], right, wrong)
+        propose = oracle.propose
+        oracle.propose = lambda state: (clock(), propose(state))[1]  # drafting costs a plain step: pays iff tau > 2
+        result = speculative_generate(lean, FallbackDrafter(oracle, gate, clock), prompt, NEW_TOKENS)
+        assert result.tokens == plain
+        speculated += [size > 0 for size in result.tree_sizes]
+        assert len(oracle.accepted_log) == sum(size > 0 for size in result.tree_sizes)  # accept only after propose
+    fraction = sum(speculated) / len(speculated)
+    if right:
+        assert fraction == 1.0
+    else:  # off after the first steps, then one probe in every 4 steps
+        assert 0.2 <= fraction <= 0.4 and speculated[-4:].count(True) == 1
+
+
+@pytest.mark.parametrize("mode", ["chain", "tree"])
+def test_eagle_behind_a_switching_gate_is_lossless_and_catches_up(setup, mode):
+    lean, head = setup
+    prompt = prompts(1)[0]
+    plain = plain_generate(lean, prompt, NEW_TOKENS).tokens
+    script = Script([True, False, False, True, False, True, True])
+    drafter = EagleDrafter(head, lean, mode=mode, depth=3, top_k=3, total_tokens=8)
+    result = speculative_generate(lean, FallbackDrafter(drafter, script), prompt, NEW_TOKENS)
+    assert result.tokens == plain
+    sizes = result.tree_sizes
+    assert 0 in sizes and max(sizes) > 0 and sizes.index(0) < len(sizes) - 1 - sizes[::-1].index(max(sizes))
+    assert script.plain == sizes.count(0) and script.speculative[0][1] is None  # first step: untimed prefill
+    # After plain steps the head cache was fed every committed position, as a fresh run would.
+    sequence = torch.cat([prompt, torch.tensor(result.tokens)])
+    length = drafter.cache_length
+    features = lean(sequence[:length], lean.new_cache(), hidden_layers=(-1,), logits="none").hidden[
+        lean.config.num_layers]  # (C, D)
+    _, (k, _) = head(lean.embedding[sequence[1: length + 1]][None], features[None], torch.arange(length)[None],
+                     use_cache=True)
+    torch.testing.assert_close(drafter.past[0], k, atol=1e-5, rtol=1e-4)
+
+
+def test_merged_features_span_every_token_since_the_last_proposal():
+    seen = []
+
+    class Recorder:
+        feature_layers = (2,)
+
+        def reset(self, prompt):
+            pass
+
+        def propose(self, state):
+            seen.append(state.new_features[2][:, 0].tolist())
+            from eval.drafters import Candidates
+            return Candidates.chain([1])
+
+        def accept(self, state, accepted):
+            pass
+
+    drafter = FallbackDrafter(Recorder(), Script([True, False, False, True]), Ticks())
+    drafter.reset(torch.tensor([0]))
+    for step, rows in enumerate([[0.0, 1.0], [2.0], [3.0], [4.0]]):
+        state = DraftState(torch.zeros(3, dtype=torch.long), 2, {2: torch.tensor(rows)[:, None]}, 2, SamplingConfig(),
+                           step=step)
+        drafter.propose(state)
+        drafter.accept(state, [])
+    assert seen == [[0.0, 1.0], [2.0, 3.0, 4.0]]
