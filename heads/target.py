@@ -38,7 +38,7 @@ class TargetConfig:
     device_map: None puts the whole target on `device`; otherwise handed to transformers'
     `from_pretrained` (accelerate's big-model loading) to spread the layers over several devices:
     `auto`, `balanced`, `sequential`, or an explicit {module name: device} map.
-    max_memory: with device_map, the memory each device may hold, e.g. {"0": "70GiB", "1": "70GiB"}.
+    max_memory: with device_map, the memory each device may hold, e.g. {0: "70GiB", 1: "70GiB"}.
     """
 
     name_or_path: str = EMBEDDED_SMOLLM2
@@ -50,7 +50,7 @@ class TargetConfig:
     trust_remote_code: bool = False
     attn_implementation: str = "sdpa"
     device_map: Any = None  # str | {module: device} | None (a union OmegaConf cannot type)
-    max_memory: dict[str, str] | None = None
+    max_memory: Any = None  # {GPU index or "cpu": size} | None (OmegaConf: keys of two types)
 
 
 def default_cache_dir() -> Path:
@@ -249,7 +249,8 @@ class FrozenTarget(nn.Module):
         """Move the target, unless device_map split it: a split target stays where it was placed
         (`features` moves its inputs and outputs instead)."""
         if self.is_split:
-            log.info("the target is split across %s; it stays there", sorted(map(str, set(self.model.hf_device_map.values()))))
+            devices = sorted(map(str, set(self.model.hf_device_map.values())))
+            log.info("the target is split across %s; it stays there", devices)
             return self
         return super().to(*args, **kwargs)
 
@@ -319,7 +320,7 @@ def compute_fingerprint(config, embed_weight: torch.Tensor, lm_head_weight: torc
 
 
 def _max_memory(values: dict | None) -> dict | None:
-    """{"0": "70GiB", "cpu": ...} -> accelerate's form, GPU indices as ints."""
+    """{0 or "0": "70GiB", "cpu": ...} -> accelerate's form, GPU indices as ints."""
     if not values:
         return None
     return {int(k) if str(k).isdigit() else k: v for k, v in values.items()}

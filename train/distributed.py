@@ -369,4 +369,4 @@ def placed_target_config(job, local_rank: int | None = None, gpus_per_node: int 
     rank = int(os.environ.get("LOCAL_RANK", "0")) if local_rank is None else local_rank
     budget = target_max_memory(rank, gpus, span, memory, job.deepspeed.memory_headroom)
     log.info("target split across GPUs %s (%d per copy)", sorted(budget), span)
-    return dataclasses.replace(model, device_map="auto", max_memory={str(gpu): size for gpu, size in budget.items()})
+    return dataclasses.replace(model, device_map="auto", max_memory=budget)

@@ -108,7 +108,8 @@ def parts_only_layers(job) -> list[int] | None:
     heads.eagle.init_layer, its initial weights; Medusa or trainer.init_from: none).
     None when the job needs the whole target: online mode, an unfinished cache, regeneration, eval."""
     stages = set(job.stages)
-    if job.data.mode != "offline" or job.data.regenerate.enabled or not stages <= {"data", "features", "train", "export"}:
+    runs_target = job.data.regenerate.enabled or not stages <= {"data", "features", "train", "export"}
+    if job.data.mode != "offline" or runs_target:
         return None
     if not (feature_cache_dir(job) / "index.json").is_file():
         return None

@@ -123,9 +123,10 @@ def test_device_map_goes_to_from_pretrained_and_the_model_stays_placed(tmp_path,
                   "model.norm": "cpu", "model.rotary_emb": "cpu", "lm_head": "cpu"}
     ids = torch.randint(0, 128, (2, 6))
     for device_map in ({"": "cpu"}, per_module):
-        config = TargetConfig(name_or_path=str(folder), device="meta", device_map=device_map, max_memory={"cpu": "1GiB"})
+        config = TargetConfig(name_or_path=str(folder), device="meta", device_map=device_map,
+                              max_memory={"cpu": "1GiB", "0": "1GiB"})
         placed = load_target(config, tokenizer=object())  # device="meta" would fail if the model were moved
-        assert calls[-1]["device_map"] == device_map and calls[-1]["max_memory"] == {"cpu": "1GiB"}
+        assert calls[-1]["device_map"] == device_map and calls[-1]["max_memory"] == {"cpu": "1GiB", 0: "1GiB"}
         assert not placed.is_split and placed.device == torch.device("cpu")
         out = placed.features(ids, layers=(1, -1), return_logits=True)
         torch.testing.assert_close(out.logits, whole.features(ids, return_logits=True).logits)
@@ -169,7 +170,8 @@ def test_parts_load_embedding_norm_lm_head_and_only_the_layers_asked_for(tmp_pat
     assert (parts.lm_head.weight is parts.embed_tokens.weight) == tied
     for name in ("embed_tokens", "lm_head", "final_norm"):
         torch.testing.assert_close(getattr(parts, name).weight, getattr(whole, name).weight, rtol=0, atol=0)
-    torch.testing.assert_close(parts.decoder_layers[-1].state_dict(), whole.decoder_layers[3].state_dict(), rtol=0, atol=0)
+    torch.testing.assert_close(parts.decoder_layers[-1].state_dict(), whole.decoder_layers[3].state_dict(),
+                               rtol=0, atol=0)
     assert not any(p.is_meta for p in parts.parameters())
     with pytest.raises(IndexError, match="not loaded"):
         parts.decoder_layers[1]

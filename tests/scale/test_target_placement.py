@@ -10,6 +10,7 @@ import torch
 
 from heads.target import TargetConfig, load_target, load_target_parts
 from tests.tiny import tiny_model
+from tests.train.test_pipeline import tiny_chat_model  # noqa: F401 - a fixture
 from tests.train.loop_fixtures import tiny_data, tiny_job
 from train.__main__ import compose_job
 from train.distributed import placed_target_config
@@ -32,7 +33,7 @@ def test_the_70b_target_is_split_over_this_ranks_group_of_four():
     job = compose_job(["+recipe=eagle_llama3_70b"])
     assert target_span(job) == 4
     placed = placed_target_config(job, local_rank=1, gpus_per_node=8, gpu_memory_gb=80)
-    assert placed.device_map == "auto" and placed.max_memory == {str(g): "72GiB" for g in (4, 5, 6, 7)}
+    assert placed.device_map == "auto" and placed.max_memory == {g: "72GiB" for g in (4, 5, 6, 7)}
     with pytest.raises(ValueError, match="-n 2"):  # 8 processes cannot each hold a copy of 4 GPUs
         placed_target_config(job, local_rank=2, gpus_per_node=8, gpu_memory_gb=80)
     # on GPUs of 192 GB the whole target fits one: replicated, config unchanged
@@ -59,7 +60,7 @@ def test_the_pipeline_hands_the_split_to_from_pretrained(monkeypatch):
     with pytest.raises(_Captured):
         load_job_target(compose_job(["+recipe=eagle_llama3_70b", "stages=[data,features]"]))
     assert seen["source"] == "meta-llama/Meta-Llama-3-70B-Instruct" and seen["device_map"] == "auto"
-    assert seen["max_memory"] == {4: "72GiB", 5: "72GiB", 6: "72GiB", 7: "72GiB"}  # GPU indices as ints
+    assert seen["max_memory"] == {4: "72GiB", 5: "72GiB", 6: "72GiB", 7: "72GiB"}
 
 
 def test_only_a_finished_cache_without_target_stages_loads_parts(tmp_path):
@@ -119,9 +120,27 @@ def test_a_cache_written_by_another_target_is_refused_on_every_rank(tmp_path, mo
     job = tiny_job(tmp_path / "run", "medusa")
     job.data.mode, job.data.feature_cache_dtype = "offline", "float32"
     data = tiny_data(train=4, held_out=2)
-    offline_source(job, load_target(TargetConfig(name_or_path=str(tmp_path / "a"), device="cpu"), tokenizer=object()), data)
+    writer = load_target(TargetConfig(name_or_path=str(tmp_path / "a"), device="cpu"), tokenizer=object())
+    offline_source(job, writer, data)
     other = load_target_parts(TargetConfig(name_or_path=str(tmp_path / "b"), device="cpu"), (), tokenizer=object())
     monkeypatch.setenv("RANK", "1")  # rank 0 also compares spec.json; the other ranks check the index
     monkeypatch.setenv("WORLD_SIZE", "2")
     with pytest.raises(ValueError, match="another target"):
         offline_source(job, other, data)
+
+
+@pytest.mark.integration
+def test_a_job_extracts_features_then_trains_from_target_parts(tmp_path, monkeypatch, tiny_chat_model):
+    """stages=[data,features] with the whole target, then stages=[train] builds no decoder layer."""
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+    from tests.train.test_pipeline import tiny_job as pipeline_job
+    from train.pipeline import run_job
+
+    common = ("heads=medusa", "data.mode=offline", "data.feature_cache_dtype=float32")
+    run_job(pipeline_job(tiny_chat_model, tmp_path, "run", 2, *common, "stages=[data,features]", records="8"))
+    assert (tmp_path / "run" / "features" / "index.json").is_file()
+    built, init = [], LlamaDecoderLayer.__init__
+    monkeypatch.setattr(LlamaDecoderLayer, "__init__", lambda self, *a, **k: (built.append(1), init(self, *a, **k))[1])
+    summary = run_job(pipeline_job(tiny_chat_model, tmp_path, "run", 2, *common, "stages=[train]", records="8"))
+    assert summary["train"]["steps"] == 2 and built == []
