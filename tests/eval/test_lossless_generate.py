@@ -1,6 +1,7 @@
 """End to end through `speculative_generate`: with temperature 1 the first tokens of speculative
 sampling follow the target's exact distribution (enumerated on a 4-token vocabulary), for sampled
-chain drafts from a truncated draft model and for a deterministic tree stub. Chi-square at 0.001.
+chain drafts from a truncated draft model, for a deterministic tree stub, and for that stub behind
+the fallback gate switching between plain and speculative steps mid-sequence. Chi-square at 0.001.
 The verification rule itself is tested more thoroughly (and against a broken sampler) in
 test_verify.py; this checks the plumbing (draft_probs alignment, tree order, cache compaction)."""
 import itertools
@@ -9,6 +10,7 @@ import pytest
 import torch
 
 from eval.drafters import Candidates
+from eval.drafters.adaptive import FallbackDrafter, SpeculationGate
 from eval.drafters.draft_model import DynamicGamma, self_speculation_drafter
 from eval.generate import speculative_generate
 from eval.model import LeanLlama
@@ -63,4 +65,51 @@ def test_speculative_sampling_matches_exact_distribution(drafter_name):
                    if drafter_name == "sampled_chain" else TreeStub())
         tokens = tuple(speculative_generate(lean, drafter, prompt, LENGTH, SAMPLING, generator=generator).tokens)
         counts[tokens] = counts.get(tokens, 0) + 1
+    assert chi_square_p_value(counts, exact(lean, prompt), SAMPLES) > 1e-3
+
+
+class Clock:
+    """Fake time: every reading advances 1 s; drafting adds `draft_cost` more (set by the drafter)."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self):
+        self.now += 1.0
+        return self.now
+
+
+class CostlyTree(TreeStub):
+    def __init__(self, clock, draft_cost):
+        self.clock, self.draft_cost = clock, draft_cost
+
+    def propose(self, state):
+        self.clock.now += self.draft_cost
+        return super().propose(state)
+
+
+@pytest.mark.slow
+def test_fallback_switching_mid_sequence_keeps_the_exact_distribution():
+    """One gate shared by every sample, so each step's choice (tree or plain step) depends on the
+    random acceptance history: sampling must still follow the target exactly."""
+    model = tiny_model(vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_attention_heads=2,
+                       num_key_value_heads=1, bos_token_id=0, eos_token_id=1, pad_token_id=0)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.normal_(0.0, 0.6)
+    lean = LeanLlama.from_hf(model, max_seq_len=32)
+    prompt = torch.tensor([1, 3, 2])
+    clock = Clock()
+    # A speculative step costs 1 + 0.7 plain steps: it pays while recent steps commit > 1.7 tokens.
+    drafter = FallbackDrafter(CostlyTree(clock, 0.7), SpeculationGate(plain_seconds=1.0, probe_every=2, decay=0.5),
+                              clock)
+    generator = torch.Generator().manual_seed(0)
+    counts, mixed = {}, 0
+    for _ in range(SAMPLES):
+        result = speculative_generate(lean, drafter, prompt, LENGTH, SAMPLING, generator=generator)
+        tokens = tuple(result.tokens)
+        counts[tokens] = counts.get(tokens, 0) + 1
+        mixed += 0 in result.tree_sizes and max(result.tree_sizes) > 0
+    assert mixed > SAMPLES // 10  # many sequences switched between plain and speculative steps
     assert chi_square_p_value(counts, exact(lean, prompt), SAMPLES) > 1e-3

@@ -64,3 +64,17 @@ def test_wandb_logging_only_with_an_active_run(tmp_path, monkeypatch):
     stub.run = object()
     assert log_to_wandb(report(), paths)
     assert logged[0]["eval/eagle_tree/tau"] == 2.6 and logged[0]["eval/plain_tokens_per_second"] == 30.0
+
+
+def test_tree_budget_and_speculated_fraction_in_the_table():
+    row = {**_row("eagle_tree", 4, tau=1.9, tps=40.0), "speculated_fraction": 0.25}
+    budget = {"chosen": 4, "positions": 30, "calibration_prompts": 2,
+              "verify_seconds_by_tokens": {1: 0.030, 2: 0.045, 4: 0.048},
+              "verify_cost_in_plain_steps": {1: 1.0, 2: 1.5, 4: 1.6},
+              "draft_cost_in_plain_steps": {2: 0.1, 4: 0.2}, "expected_tau_by_size": {2: 1.5, 4: 2.1},
+              "tokens_per_plain_step_by_size": {2: 0.94, 4: 1.17}}
+    text = markdown_table(report(drafters=[row], eagle_tree_budget=budget))
+    assert "| eagle_tree | lossless | total_tokens=4 | 1.90 | 0.25 |" in text
+    assert "| 4 (chosen) | 1.60 | 0.20 | 2.10 | 1.17 |" in text and "| 2 | 1.50 | 0.10 | 1.50 | 0.94 |" in text
+    assert "one-token forward = 30.0 ms" in text
+    assert "chosen" not in markdown_table(report(drafters=[row]))
