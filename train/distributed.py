@@ -17,6 +17,7 @@ Traps measured on a CPU machine, each refused or avoided here:
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import socket
@@ -194,7 +195,7 @@ def make_accelerator(trainer: TrainerConfig, deepspeed: DeepSpeedConfig):
 # ZeRO checkpoints are partitioned by process count and DeepSpeed refuses to load one into another
 # count without a universal-checkpoint conversion. The heads are small next to the target, so the
 # loop's checkpoint holds the full fp32 weights and Adam moments instead: gathered from any layout,
-# restored into any layout (1 process, DDP, ZeRO-1/2), with the same file for all of them.
+# restored into any layout (1 process, DDP, ZeRO-1/2/3), with the same file for all of them.
 
 def _is_deepspeed(accelerator) -> bool:
     from accelerate.utils import DistributedType
@@ -208,10 +209,28 @@ def _trained(accelerator, model) -> list[tuple[str, torch.nn.Parameter]]:
 
 def _zero_optimizer(optimizer):
     zero = getattr(optimizer, "optimizer", optimizer)  # accelerate's wrapper -> DeepSpeed's ZeRO optimizer
-    if not hasattr(zero, "single_partition_of_fp32_groups"):
-        raise NotImplementedError("world-size independent state covers ZeRO stages 1 and 2; for ZeRO-3 "
-                                  "resume with the same number of processes (accelerator.save_state)")
+    if not (hasattr(zero, "single_partition_of_fp32_groups") or hasattr(zero, "fp32_partitioned_groups_flat")):
+        raise NotImplementedError(f"world-size independent state covers DeepSpeed's ZeRO-1/2/3 optimizers, "
+                                  f"not {type(zero).__name__}")
     return zero
+
+
+def _is_zero3(zero) -> bool:
+    return hasattr(zero, "fp32_partitioned_groups_flat")
+
+
+@contextlib.contextmanager
+def full_parameters(accelerator, model):
+    """The trained module with whole parameters inside the block (ZeRO-3 gathers its partitions,
+    read-only, e.g. to save its state_dict); elsewhere a no-op. Under ZeRO-3 every process enters."""
+    module = accelerator.unwrap_model(model)
+    if not (_is_deepspeed(accelerator) and any(hasattr(p, "ds_id") for p in module.parameters())):
+        yield module
+        return
+    import deepspeed
+
+    with deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=None):
+        yield module
 
 
 def gather_head_state(accelerator, model, optimizer) -> dict[str, torch.Tensor]:
@@ -277,6 +296,9 @@ def restore_head_state(accelerator, model, optimizer, state: dict[str, torch.Ten
                 base.state[p] = {"step": step.clone(), **{k: v.to(p.device).clone() for k, v in moments.items()}}
         return
     zero = _zero_optimizer(optimizer)
+    if _is_zero3(zero):
+        _restore_zero3(zero, params, state, step)
+        return
     by_id = {id(p): name for name, p in params}
     for group_index, flat in enumerate(zero.single_partition_of_fp32_groups):
         flat_state = zero.optimizer.state[flat]
@@ -298,6 +320,33 @@ def restore_head_state(accelerator, model, optimizer, state: dict[str, torch.Ten
                 flat_state[key].narrow(0, hp_at.start, hp_at.numel).copy_(piece(value))
         if flat_state:
             flat_state["step"] = step.clone()
+
+
+def _restore_zero3(zero, params, state: dict[str, torch.Tensor], step: torch.Tensor) -> None:
+    """ZeRO-3: each process keeps its slice of every weight and moment; DeepSpeed's setters cut the
+    slice from the full tensor, then the module's own partitions are refreshed from the fp32 master
+    (as DeepSpeed's universal-checkpoint loader does)."""
+    from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
+
+    moments = {name: _moments(state, name) for name, _ in params}
+    keys = sorted({key for values in moments.values() for key in values})
+    for flat in zero.fp32_partitioned_groups_flat:
+        if flat.numel() and keys:  # Adam's state appears at the first step: create it to fill it
+            flat_state = zero.optimizer.state[flat]
+            for key in keys:
+                flat_state.setdefault(key, torch.zeros_like(flat))
+            flat_state["step"] = step.clone()
+    for name, p in params:
+        device = p.ds_tensor.device
+        safe_set_full_fp32_param(p, state[f"param.{name}"].to(device))
+        for key, value in moments[name].items():
+            safe_set_full_optimizer_state(p, value.to(device), key)
+    for group, flat in enumerate(zero.fp32_partitioned_groups_flat):
+        if flat.numel():
+            zero.fp16_partitioned_groups_flat[group].data.copy_(flat.data)
+            pieces = zero.unflatten(zero.fp16_partitioned_groups_flat[group], zero.fp16_partitioned_groups[group])
+            for partition, piece in zip(zero.fp16_partitioned_groups[group], pieces):
+                partition.data = piece.data
 
 
 def save_head_state(path: str, accelerator, model, optimizer) -> None:

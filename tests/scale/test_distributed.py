@@ -83,10 +83,12 @@ def runs(tmp_path_factory):
         {"name": "zero2", "deepspeed": 2, "steps": 4, "save_at": 2, "save": state("zero2")},
         {"name": "ddp_from_single", "steps": 4, "resume": state("single")},
         {"name": "zero2_from_single", "deepspeed": 2, "steps": 4, "resume": state("single")},
-        {"name": "zero3", "deepspeed": 3, "steps": 4}], env)
+        {"name": "zero3", "deepspeed": 3, "steps": 4, "save_at": 2, "save": state("zero3")},
+        {"name": "zero3_from_single", "deepspeed": 3, "steps": 4, "resume": state("single")}], env)
     results |= _launch(1, tmp / "resume.json", [
         {"name": "single_from_ddp", "steps": 4, "resume": state("ddp")},
-        {"name": "single_from_zero2", "steps": 4, "resume": state("zero2")}], env)
+        {"name": "single_from_zero2", "steps": 4, "resume": state("zero2")},
+        {"name": "single_from_zero3", "steps": 4, "resume": state("zero3")}], env)
     results["jit_builds"] = sorted(str(p) for p in extensions.rglob("*")) if extensions.exists() else []
     return results
 
@@ -98,10 +100,12 @@ def test_two_processes_match_one_process(runs, layout):
     assert runs[layout]["losses"] == pytest.approx(runs["single"]["losses"], rel=RTOL)
     assert runs[layout]["losses"][0] != pytest.approx(runs[layout]["losses"][-1], rel=1e-3)  # it trained
     assert runs[layout]["weight_checksum"] == pytest.approx(runs["single"]["weight_checksum"], rel=RTOL)
+    assert runs[layout]["full_checksum"] == pytest.approx(runs["single"]["weight_checksum"], rel=RTOL)
 
 
 @pytest.mark.integration
-@pytest.mark.parametrize("resumed", ["ddp_from_single", "zero2_from_single", "single_from_ddp", "single_from_zero2"])
+@pytest.mark.parametrize("resumed", ["ddp_from_single", "zero2_from_single", "zero3_from_single",
+                                     "single_from_ddp", "single_from_zero2", "single_from_zero3"])
 def test_state_saved_in_one_layout_resumes_in_another(runs, resumed):
     assert runs[resumed]["losses"] == pytest.approx(runs["single"]["losses"][2:], rel=RTOL)
     assert runs[resumed]["weight_checksum"] == pytest.approx(runs["single"]["weight_checksum"], rel=RTOL)

@@ -25,7 +25,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 from heads.eagle import EagleConfig, EagleHead  # noqa: E402
 from tests.tiny import tiny_target  # noqa: E402
 from train.config import DeepSpeedConfig, TrainerConfig  # noqa: E402
-from train.distributed import load_head_state, make_accelerator, save_head_state  # noqa: E402
+from train.distributed import full_parameters, load_head_state, make_accelerator, save_head_state  # noqa: E402
 from train.losses import eagle_loss  # noqa: E402
 
 GLOBAL_BATCH = 4
@@ -68,7 +68,9 @@ def run(scenario: dict, world: int) -> dict:
         if scenario.get("save_at") == step + 1:
             save_head_state(scenario["save"], accelerator, head, optimizer)
     weights = accelerator.get_state_dict(head)  # ZeRO-3: gathered on the main process only, else None
-    result = {"losses": losses, "world": accelerator.num_processes,
+    with full_parameters(accelerator, head) as module:  # ZeRO-3: gathered on every process
+        full = float(sum(v.double().abs().sum() for v in module.state_dict().values()))
+    result = {"losses": losses, "world": accelerator.num_processes, "full_checksum": full,
               "weight_checksum": float(sum(v.double().abs().sum() for v in (weights or {}).values()))}
     accelerator.free_memory()
     return result
