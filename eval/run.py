@@ -12,15 +12,15 @@ from typing import Callable, Sequence
 
 import torch
 
+from eval.calibrate import eagle_tree_budget, medusa_choices, verify_costs
 from eval.config import RuntimeConfig
 from eval.drafters import Drafter
 from eval.drafters.adaptive import FallbackDrafter, SpeculationGate
 from eval.drafters.draft_model import DynamicGamma, self_speculation_drafter
-from eval.drafters.eagle import EagleDrafter, measure_tree_acceptance
-from eval.drafters.medusa import MedusaDrafter, measure_rank_accuracies
+from eval.drafters.eagle import EagleDrafter
+from eval.drafters.medusa import MedusaDrafter
 from eval.drafters.prompt_lookup import PromptLookupDrafter
 from eval.generate import GenerationResult, plain_generate, speculative_generate
-from eval.medusa_trees import build_tree_from_accuracies, expected_acceptance, parse_choices
 from eval.model import LeanLlama
 from eval.report import write_report
 from eval.sampling import SamplingConfig
@@ -32,8 +32,6 @@ log = logging.getLogger(__name__)
 DRAFTERS = ("medusa", "eagle_chain", "eagle_tree", "prompt_lookup", "self_speculation", "draft_model")
 HEAD_DRAFTERS = {"medusa": MedusaHeads, "eagle_chain": EagleHead, "eagle_tree": EagleHead}
 GATED_DRAFTERS = ("medusa", "eagle_chain", "eagle_tree", "prompt_lookup")  # runtime.fallback (draft models gate themselves)
-MEDUSA_AUTO_SIZES = (4, 8, 16, 32, 64)  # candidate node budgets for the tree built from measured accuracies
-CALIBRATION_PROMPTS = 4
 
 
 @dataclass
@@ -50,51 +48,6 @@ class Method:
 def _eagle(head, lean, mode, runtime: RuntimeConfig, total_tokens: int, draft_vocab=None) -> EagleDrafter:
     return EagleDrafter(head, lean, mode=mode, depth=runtime.chain_depth if mode == "chain" else runtime.tree_depth,
                         top_k=runtime.tree_top_k, total_tokens=total_tokens, draft_vocab=draft_vocab)
-
-
-def _greedy_sequences(lean: LeanLlama, prompts, max_new_tokens: int, eos) -> tuple[list[torch.Tensor], list[int]]:
-    """Calibration data: (prompt + plain greedy continuation) for the first CALIBRATION_PROMPTS prompts."""
-    sequences, lengths = [], []
-    for prompt in prompts[:CALIBRATION_PROMPTS]:
-        tokens = plain_generate(lean, prompt, max_new_tokens, SamplingConfig(), eos).tokens
-        sequences.append(torch.cat([prompt, torch.tensor(tokens)]))
-        lengths.append(prompt.shape[0])
-    return sequences, lengths
-
-
-def choose_tree_budget(verify_seconds: dict[int, float], accepted: dict[int, float],
-                       draft_seconds: dict[int, float]) -> tuple[int, dict[int, float]]:
-    """The total_tokens budget n with the most expected tokens per plain-decode-step time,
-    (1 + accepted[n]) * verify_seconds[1] / (verify_seconds[n] + draft_seconds[n]) (accepted: mean
-    accepted drafts; verify_seconds[n]: one target forward over n tokens). Returns (n, values)."""
-    values = {n: (1.0 + accepted[n]) * verify_seconds[1] / (verify_seconds[n] + draft_seconds[n]) for n in accepted}
-    return max(values, key=lambda n: (values[n], -n)), values
-
-
-def _eagle_tree_budget(head, lean: LeanLlama, runtime: RuntimeConfig, prompts, eos, draft_vocab) -> tuple[int, dict]:
-    """runtime.tree_total_tokens "auto": the budget from the measured verification-cost curve of
-    this machine and the head's teacher-forced acceptance per budget on calibration prompts."""
-    budgets = sorted(set(runtime.tree_auto_sizes))
-    if not budgets or budgets[0] < 2:
-        raise ValueError(f"runtime.tree_auto_sizes must be total_tokens budgets >= 2, got {runtime.tree_auto_sizes}")
-    sequences, lengths = _greedy_sequences(lean, prompts, runtime.max_new_tokens, eos)
-    drafter = _eagle(head, lean, "tree", runtime, budgets[-1], draft_vocab)
-    measured = measure_tree_acceptance(drafter, sequences, lengths, budgets)
-    costs = verify_costs(lean, prompts[0], (1, *budgets))
-    per_level = measured["expand_seconds"] / measured["levels"]
-    draft = {n: measured["catch_up_seconds"] + per_level * min(runtime.tree_depth, n - 1) for n in budgets}
-    best, values = choose_tree_budget(costs, measured["accepted"], draft)
-    log.info("eagle_tree total_tokens auto: %d (expected tau %.2f, %.2f tokens per plain-step time; verify cost in "
-             "plain steps %s)", best, 1 + measured["accepted"][best], values[best],
-             {n: round(costs[n] / costs[1], 2) for n in budgets})
-    return best, {
-        "chosen": best, "calibration_prompts": len(sequences), "positions": measured["positions"],
-        "verify_seconds_by_tokens": costs,
-        "verify_cost_in_plain_steps": {n: costs[n] / costs[1] for n in costs},
-        "draft_cost_in_plain_steps": {n: draft[n] / costs[1] for n in budgets},
-        "expected_tau_by_size": {n: 1.0 + a for n, a in measured["accepted"].items()},
-        "tokens_per_plain_step_by_size": values,
-    }
 
 
 def _fixed_tree_total_tokens(runtime: RuntimeConfig) -> int | None:
@@ -134,44 +87,6 @@ def _draft_cost(lean: LeanLlama, layers: int) -> float:
     return (head + layers * per_block) / (head + lean.config.num_layers * per_block)
 
 
-def _medusa_choices(heads: MedusaHeads, lean: LeanLlama, runtime: RuntimeConfig, prompts, eos, draft_vocab):
-    if runtime.medusa_choices != "auto":
-        return parse_choices(runtime.medusa_choices), {}
-    chain = [(0,) * (k + 1) for k in range(heads.config.num_heads)]
-    probe = MedusaDrafter(heads, lean, chain, draft_vocab)
-    sequences, lengths = _greedy_sequences(lean, prompts, runtime.max_new_tokens, eos)
-    accuracies = measure_rank_accuracies(probe, sequences, lengths, top=10)
-    costs = verify_costs(lean, prompts[0], (1, *(n + 1 for n in MEDUSA_AUTO_SIZES)))  # root + n nodes
-    trees = {n: build_tree_from_accuracies(accuracies, n) for n in MEDUSA_AUTO_SIZES}
-    value = {n: (1.0 + expected_acceptance(tree, accuracies)) * costs[1] / costs[n + 1] for n, tree in trees.items()}
-    best = max(value, key=value.get)
-    choices = trees[best]
-    log.info("medusa tree from measured rank accuracies (calibration on %d prompts that are also measured) and "
-             "verification costs: %d nodes, expected accepted drafts %.2f, expected tokens per plain step %.2f "
-             "(sizes tried: %s)", len(sequences), len(choices), expected_acceptance(choices, accuracies), value[best],
-             {n: round(v, 2) for n, v in value.items()})
-    return choices, {"rank_accuracies": accuracies, "tokens_per_plain_step_by_size": value,
-                     "verify_seconds_by_tokens": costs}
-
-
-@torch.no_grad()
-def verify_costs(lean: LeanLlama, prompt: torch.Tensor, sizes: Sequence[int], repeats: int = 3) -> dict[int, float]:
-    """Median seconds of one target forward over n new tokens after `prompt`, for each n in sizes."""
-    cache = lean.new_cache(prompt.shape[0] + max(sizes) + 1)
-    lean(prompt, cache, logits="none")
-    cache.commit()
-    costs = {}
-    for n in sizes:
-        times = []
-        for _ in range(repeats):
-            start = time.perf_counter()
-            lean(prompt[:1].repeat(n), cache)
-            times.append(time.perf_counter() - start)
-            cache.truncate(cache.length)
-        costs[n] = sorted(times)[len(times) // 2]
-    return costs
-
-
 def build_methods(names: Sequence[str], runtime: RuntimeConfig, lean: LeanLlama, head=None, prompts=(),
                   eos=(), draft_vocab=None) -> tuple[list[Method], dict]:
     """Drafter names -> Methods (plain first). Head drafters whose head is missing are skipped
@@ -204,7 +119,7 @@ def build_methods(names: Sequence[str], runtime: RuntimeConfig, lean: LeanLlama,
             tree, initial_tau = {"top_k": runtime.tree_top_k, "depth": runtime.tree_depth, **vocab}, 2.0
             total = _fixed_tree_total_tokens(runtime)
             if total is None:
-                total, extra["eagle_tree_budget"] = _eagle_tree_budget(head, lean, runtime, prompts, eos, draft_vocab)
+                total, extra["eagle_tree_budget"] = eagle_tree_budget(head, lean, runtime, prompts, eos, draft_vocab)
                 initial_tau = extra["eagle_tree_budget"]["expected_tau_by_size"][total]
                 tree["total_tokens_auto"] = True
             methods.append(Method(name, _gated(lambda total=total: _eagle(head, lean, "tree", runtime, total, draft_vocab),
@@ -217,7 +132,7 @@ def build_methods(names: Sequence[str], runtime: RuntimeConfig, lean: LeanLlama,
                                           lambda size=size: _eagle(head, lean, "tree", runtime, size, draft_vocab),
                                           settings={**tree, "total_tokens": size, "fallback": False}, sweep=True))
         elif name == "medusa":
-            choices, calibration = _medusa_choices(head, lean, runtime, prompts, eos, draft_vocab)
+            choices, calibration = medusa_choices(head, lean, runtime, prompts, eos, draft_vocab)
             extra["medusa"] = {"choices": [list(c) for c in choices], **calibration}
             verification = "typical" if runtime.typical_acceptance else "lossless"
             methods.append(Method(name, _gated(lambda choices=choices: MedusaDrafter(head, lean, choices, draft_vocab),

@@ -4,7 +4,7 @@ features of plain steps in one batch)."""
 import pytest
 import torch
 
-from eval.drafters import DraftState
+from eval.drafters import Candidates, DraftState
 from eval.drafters.adaptive import DecayedRatio, FallbackDrafter, ProbeSchedule, SpeculationGate
 from eval.drafters.eagle import EagleDrafter
 from eval.generate import plain_generate, speculative_generate
@@ -141,7 +141,6 @@ def test_merged_features_span_every_token_since_the_last_proposal():
 
         def propose(self, state):
             seen.append(state.new_features[2][:, 0].tolist())
-            from eval.drafters import Candidates
             return Candidates.chain([1])
 
         def accept(self, state, accepted):

@@ -9,7 +9,8 @@ from eval.drafters import Candidates
 from eval.drafters.eagle import EagleDrafter, greedy_accepted, measure_tree_acceptance
 from eval.generate import plain_generate, speculative_generate
 from eval.model import LeanLlama
-from eval.run import choose_tree_budget, evaluate
+from eval.calibrate import choose_tree_budget
+from eval.run import evaluate
 from heads.eagle import EagleConfig, EagleHead, init_from_target
 from tests.tiny import tiny_target
 
@@ -77,11 +78,12 @@ def test_teacher_forced_acceptance_matches_the_runtime(setup):
 def test_evaluate_with_auto_tree_size_and_fallback(setup, tmp_path):
     target, _, head = setup
     runtime = RuntimeConfig(max_new_tokens=12, tree_top_k=2, tree_depth=3, tree_total_tokens="auto",
-                            tree_auto_sizes=[2, 4, 8], tree_sweep=[4], fallback=True, fallback_probe_every=4,
+                            tree_auto_sizes=[2, 4, 8, 32], tree_sweep=[4], fallback=True, fallback_probe_every=4,
                             compare_transformers=False, threads=1)
     report = evaluate(target, [p.tolist() for p in prompts(2)], ["eagle_tree", "prompt_lookup"], runtime, head=head,
                       head_config=head.config, out_dir=tmp_path, progress=False)
     budget = report["eagle_tree_budget"]
+    # top_k 2, depth 3 drafts at most 2 + 2 * 4 = 10 nodes: a 32-token budget is no different tree.
     assert budget["chosen"] in (2, 4, 8) and set(budget["tokens_per_plain_step_by_size"]) == {2, 4, 8}
     assert set(budget["verify_seconds_by_tokens"]) == {1, 2, 4, 8} and budget["positions"] > 0
     rows = {row["name"]: row for row in report["drafters"]}
