@@ -168,14 +168,16 @@ def log_to_wandb(report: dict, paths: dict[str, Path]) -> bool:
     metrics = {"eval/plain_tokens_per_second": report["baselines"]["plain"]["tokens_per_second"]}
     if "transformers" in report["baselines"]:
         metrics["eval/transformers_tokens_per_second"] = report["baselines"]["transformers"]["tokens_per_second"]
-    columns = ["name", "verification", "tau", "tokens_per_second", "speedup_vs_plain", "speedup_vs_transformers",
-               "draft_ms_per_step", "verify_ms_per_step", "greedy_identical"]
+    columns = ["name", "verification", "tau", "speculated_fraction", "tokens_per_second", "speedup_vs_plain",
+               "speedup_vs_transformers", "draft_ms_per_step", "verify_ms_per_step", "greedy_identical"]
     table = wandb.Table(columns=columns)
     for row in report["drafters"]:
         table.add_data(*[row.get(c) for c in columns])
-        for key in ("tau", "tokens_per_second", "speedup_vs_plain", "speedup_vs_transformers"):
+        for key in ("tau", "speculated_fraction", "tokens_per_second", "speedup_vs_plain", "speedup_vs_transformers"):
             if row.get(key) is not None:
                 metrics[f"eval/{row['name']}/{key}"] = row[key]
+    if report.get("eagle_tree_budget"):
+        metrics["eval/eagle_tree_total_tokens"] = report["eagle_tree_budget"]["chosen"]
     metrics["eval/table"] = table
     metrics["eval/acceptance_per_depth"] = wandb.Image(str(paths["acceptance_plot"]))
     metrics["eval/speedup_vs_tree_size"] = wandb.Image(str(paths["speedup_plot"]))

@@ -33,7 +33,8 @@ class DraftState:
     new_features: {layer: (A, D)} the target's hidden states (transformers numbering; the
         drafter's `feature_layers`, negative indices resolved against `num_layers`) for the A
         tokens that entered the target's cache in the last forward, i.e. tokens[T-1-A : T-1]:
-        the whole prompt after the prefill, root + accepted path after a step. The EAGLE feature
+        the whole prompt after the prefill, root + accepted path after a step (behind a
+        `FallbackDrafter`: every token since the drafter's last proposal). The EAGLE feature
         f_t is layer num_layers (the final post-norm state); new_features[L][-1] is the feature of
         the token before the root.
     num_layers: the target's layer count (to resolve feature layer indices).

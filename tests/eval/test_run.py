@@ -48,11 +48,12 @@ def test_evaluate_eagle_end_to_end(target, tmp_path):
 def test_evaluate_medusa_with_auto_tree_and_lossy_typical(target, tmp_path):
     heads = MedusaHeads(MedusaConfig.from_target(target, num_heads=3, share_lm_head=True)).eval()
     runtime = RuntimeConfig(**{**RUNTIME.__dict__, "temperature": 0.7, "typical_acceptance": True,
-                               "compare_transformers": False})
+                               "compare_transformers": False, "fallback": True})
     report = evaluate(target, prompts(2), ["medusa"], runtime, head=heads, head_config=heads.config,
                       out_dir=tmp_path, progress=False)
     (row,) = report["drafters"]
     assert row["lossy"] is True and "greedy_identical" not in row
+    assert row["settings"]["fallback"] is True and 0.0 < row["speculated_fraction"] <= 1.0
     assert len(report["medusa"]["choices"]) in (4, 8, 16, 32, 64)
     assert set(report["medusa"]["tokens_per_plain_step_by_size"]) == {4, 8, 16, 32, 64}
     assert "typical (LOSSY)" in (tmp_path / "report.md").read_text()
@@ -76,6 +77,8 @@ def test_eval_entry_composes_into_dataclasses():
     assert cfg.head == "some/dir" and cfg.out == "runs/eval" and cfg.logger["kind"] == "none"
     with pytest.raises(Exception, match="tree_width"):
         compose_eval(["runtime.tree_width=3"])
+    assert cfg.runtime.tree_total_tokens == "auto" and cfg.runtime.fallback is True  # the CPU runtime's defaults
+    assert compose_eval(["runtime.tree_total_tokens=8"]).runtime.tree_total_tokens == 8
 
 
 def test_frequent_token_ids():
