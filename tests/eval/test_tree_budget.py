@@ -54,7 +54,7 @@ def test_teacher_forced_acceptance_matches_the_runtime(setup):
     _, lean, head = setup
     budgets, levels, new_tokens = [2, 3, 5, 8], 3, 16
     seen_accepts = 0
-    for prompt in prompts(3):
+    for prompt in prompts(2):
         full = torch.cat([prompt, torch.tensor(plain_generate(lean, prompt, new_tokens).tokens)])
         forced = {}  # root index -> {budget: accepted drafts}
         for budget in budgets:
