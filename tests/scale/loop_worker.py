@@ -5,6 +5,8 @@ torchrun group or alone, for the multi-process tests.
         '[{"dir": "runs/ddp"}, {"dir": "runs/zero2", "deepspeed": 2}, {"dir": "runs/r", "resume": "ckpt"}]'
 
 Each run: dir (trainer.output_dir), optionally deepspeed (ZeRO stage), resume (a checkpoint).
+ZeRO-3 runs partition every weight (stage3_param_persistence_threshold 0; DeepSpeed's default keeps
+tensors under 1e5 elements, i.e. all of the tiny head, whole on every process).
 Every row has the same length and loss mask, so per-process mean losses average to the global mean
 and 1 process with batch 4 matches 2 processes with batch 2 (the loop's global batch is
 batch_size x processes); EAGLE's input noise is off because it is seeded per rank.
@@ -46,6 +48,12 @@ def main() -> None:
         job.heads.eagle.input_noise = 0.0
         if run.get("deepspeed") is not None:
             job.deepspeed.enabled, job.deepspeed.zero_stage = True, run["deepspeed"]
+        if run.get("deepspeed") == 3:
+            job.deepspeed.config_file = os.path.join(run["dir"] + f".ds-{os.getpid()}.json")
+            os.makedirs(os.path.dirname(job.deepspeed.config_file), exist_ok=True)
+            with open(job.deepspeed.config_file, "w") as handle:
+                json.dump({"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0,
+                                                 "stage3_gather_16bit_weights_on_model_save": True}}, handle)
         AcceleratorState._reset_state(reset_partial_state=True)
         train_heads(job, tiny_target(), data, accelerator=make_accelerator(job.trainer, job.deepspeed))
 

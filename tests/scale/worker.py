@@ -10,6 +10,8 @@ lengths), so the mean over ranks of per-rank mean losses equals the single-proce
         '[{"name": "ddp", "steps": 4, "save_at": 2, "save": "state.safetensors"}, {"name": "ds", "deepspeed": 2, "steps": 4}]'
 
 A scenario: name, steps, and optionally deepspeed (ZeRO stage), save_at + save (a file), resume (a file saved by any scenario).
+ZeRO-3 scenarios partition every parameter (stage3_param_persistence_threshold 0): with DeepSpeed's
+default threshold (1e5 elements) the tiny head's weights would all stay whole on every process.
 """
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ import argparse
 import json
 import os
 import sys
+import tempfile
 
 import torch
 
@@ -38,13 +41,24 @@ def run(scenario: dict, world: int) -> dict:
     trainer = TrainerConfig(batch_size=GLOBAL_BATCH // world, grad_accumulation=1, max_grad_norm=0.5,
                             mixed_precision="no", learning_rate=1e-2)
     stage = scenario.get("deepspeed")
-    accelerator = make_accelerator(trainer, DeepSpeedConfig(enabled=stage is not None, zero_stage=stage or 2))
+    config_file = None
+    if stage == 3:  # read once by make_accelerator
+        zero = {"stage": 3, "stage3_param_persistence_threshold": 0, "stage3_gather_16bit_weights_on_model_save": True}
+        with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as handle:
+            json.dump({"zero_optimization": zero}, handle)
+        config_file = handle.name
+    accelerator = make_accelerator(trainer, DeepSpeedConfig(enabled=stage is not None, zero_stage=stage or 2,
+                                                            config_file=config_file))
+    if config_file:
+        os.remove(config_file)
 
     target = tiny_target(seed=0)  # frozen: never given to prepare or the optimizer
     torch.manual_seed(1)
     head = EagleHead(EagleConfig.from_target(target))
     optimizer = torch.optim.AdamW(head.parameters(), lr=trainer.learning_rate, betas=(0.9, 0.95), weight_decay=0.0)
     head, optimizer = accelerator.prepare(head, optimizer)
+    if stage == 3:
+        assert all(p.numel() == 0 for p in head.parameters()), "ZeRO-3 left some weights whole"
     start_step = load_head_state(scenario["resume"], accelerator, head, optimizer) if scenario.get("resume") else 0
 
     data = torch.randint(3, target.vocab_size, (NUM_ROWS, SEQ_LEN), generator=torch.Generator().manual_seed(2))
