@@ -118,6 +118,11 @@ def validate_job(job: JobConfig) -> JobConfig:
     if not 0.0 < job.deepspeed.memory_headroom <= 1.0:
         raise ConfigError(f"deepspeed.memory_headroom={job.deepspeed.memory_headroom} must be in (0, 1]")
     _choice("deepspeed.target_placement", job.deepspeed.target_placement, {"auto", "replicate", "split"})
+    if (job.deepspeed.enabled and job.deepspeed.zero_stage == 3 and job.heads.type == "medusa"
+            and not job.heads.medusa.share_lm_head):
+        raise ConfigError("deepspeed.zero_stage=3 with Medusa heads that own their lm_heads "
+                          "(heads.medusa.share_lm_head=false): the loss reads those weights outside forward, "
+                          "where ZeRO-3 holds a slice of them; use deepspeed=zero2 or share_lm_head=true")
     _choice("logger.kind", job.logger.kind, {"wandb", "none"})
     _choice("logger.mode", job.logger.mode, {"offline", "online", "disabled"})
     r = job.runtime

@@ -126,3 +126,13 @@ def test_split_target_gpu_groups_tile_the_node():
         target_gpu_group(2, 8, 4)
     with pytest.raises(ValueError, match="tile"):
         target_gpu_group(0, 8, 3)
+
+
+def test_zero3_refuses_medusa_heads_that_own_their_lm_heads():
+    from train.__main__ import compose_job
+    from train.job import ConfigError
+
+    with pytest.raises(ConfigError, match="share_lm_head"):
+        compose_job(["+recipe=medusa_vicuna_7b", "deepspeed=zero3"])
+    assert compose_job(["+recipe=medusa_vicuna_7b", "deepspeed=zero3", "heads.medusa.share_lm_head=true"])
+    assert compose_job(["+recipe=eagle_llama3_8b", "deepspeed=zero3"])
