@@ -391,12 +391,24 @@ def target_max_memory(local_rank: int, gpus_per_node: int, span: int, gpu_memory
     return {gpu: budget for gpu in target_gpu_group(local_rank, gpus_per_node, span)}
 
 
+def rank_device(model, local_rank: int | None = None):
+    """The target config with device "auto" pinned to this process's GPU (cuda:LOCAL_RANK), so the
+    ranks of a node do not all load their copies onto cuda:0 first; unchanged without CUDA."""
+    import dataclasses
+
+    if model.device != "auto" or model.device_map is not None or not torch.cuda.is_available():
+        return model
+    rank = int(os.environ.get("LOCAL_RANK", "0")) if local_rank is None else local_rank
+    return dataclasses.replace(model, device=f"cuda:{rank}")
+
+
 def placed_target_config(job, local_rank: int | None = None, gpus_per_node: int | None = None,
                          gpu_memory_gb: float | None = None):
-    """job.model for this process: unchanged when it names a device_map itself, on CPU, or when
-    the whole target fits one GPU (train.plan.target_span == 1); else device_map="auto" with
-    max_memory on this process's GPU group (target_gpu_group), so the target is split across it.
-    The GPU count and memory default to this machine's (the plan's values are for planning)."""
+    """job.model for this process: unchanged when it names a device_map itself or without CUDA;
+    on this process's GPU (rank_device) when the whole target fits one GPU (train.plan.target_span
+    == 1); else device_map="auto" with max_memory on this process's GPU group (target_gpu_group),
+    so the target is split across it. GPU count and memory default to this machine's (the plan's
+    deepspeed.num_gpus / gpu_memory_gb describe the cluster being planned)."""
     import dataclasses
 
     from train.plan import target_span
@@ -404,18 +416,19 @@ def placed_target_config(job, local_rank: int | None = None, gpus_per_node: int 
     model = job.model
     if model.device_map is not None or (gpus_per_node is None and not torch.cuda.is_available()):
         return model
+    rank = int(os.environ.get("LOCAL_RANK", "0")) if local_rank is None else local_rank
     gpus = gpus_per_node or torch.cuda.device_count()
-    memory = gpu_memory_gb or torch.cuda.get_device_properties(0).total_memory / 1e9
+    memory = gpu_memory_gb or torch.cuda.get_device_properties(rank % gpus).total_memory / 1e9
     here = dataclasses.replace(job, deepspeed=dataclasses.replace(job.deepspeed, num_gpus=gpus, gpu_memory_gb=memory))
     try:
         span = target_span(here)
     except ValueError as error:  # model.arch incomplete: the size of the target is unknown before loading
         if job.deepspeed.target_placement == "split":
             raise ValueError(f"deepspeed.target_placement=split: {error}, or set model.device_map") from None
-        return model
+        span = 1
     if span == 1:
-        return model
-    rank = int(os.environ.get("LOCAL_RANK", "0")) if local_rank is None else local_rank
-    budget = target_max_memory(rank, gpus, span, memory, job.deepspeed.memory_headroom)
+        return rank_device(model, rank)
+    # max_memory is written in GiB: convert the GB (1e9) figure the plan uses
+    budget = target_max_memory(rank, gpus, span, memory * 1e9 / 2**30, job.deepspeed.memory_headroom)
     log.info("target split across GPUs %s (%d per copy)", sorted(budget), span)
     return dataclasses.replace(model, device_map="auto", max_memory=budget)

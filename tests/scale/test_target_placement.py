@@ -33,7 +33,7 @@ def test_the_70b_target_is_split_over_this_ranks_group_of_four():
     job = compose_job(["+recipe=eagle_llama3_70b"])
     assert target_span(job) == 4
     placed = placed_target_config(job, local_rank=1, gpus_per_node=8, gpu_memory_gb=80)
-    assert placed.device_map == "auto" and placed.max_memory == {g: "72GiB" for g in (4, 5, 6, 7)}
+    assert placed.device_map == "auto" and placed.max_memory == {g: "67GiB" for g in (4, 5, 6, 7)}  # 0.9 x 80 GB
     with pytest.raises(ValueError, match="-n 2"):  # 8 processes cannot each hold a copy of 4 GPUs
         placed_target_config(job, local_rank=2, gpus_per_node=8, gpu_memory_gb=80)
     # on GPUs of 192 GB the whole target fits one: replicated, config unchanged
@@ -60,7 +60,15 @@ def test_the_pipeline_hands_the_split_to_from_pretrained(monkeypatch):
     with pytest.raises(_Captured):
         load_job_target(compose_job(["+recipe=eagle_llama3_70b", "stages=[data,features]"]))
     assert seen["source"] == "meta-llama/Meta-Llama-3-70B-Instruct" and seen["device_map"] == "auto"
-    assert seen["max_memory"] == {4: "72GiB", 5: "72GiB", 6: "72GiB", 7: "72GiB"}
+    assert seen["max_memory"] == {4: "67GiB", 5: "67GiB", 6: "67GiB", 7: "67GiB"}
+
+
+def test_a_replicated_target_loads_onto_its_ranks_gpu(monkeypatch):
+    _fake_gpus(monkeypatch, 8, 80)
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    placed = placed_target_config(compose_job(["+recipe=eagle_llama3_8b"]))
+    assert placed.device == "cuda:3" and placed.device_map is None
+    assert placed_target_config(compose_job(["+recipe=eagle_llama3_8b", "model.device=cuda:0"])).device == "cuda:0"
 
 
 def test_only_a_finished_cache_without_target_stages_loads_parts(tmp_path):
