@@ -47,12 +47,12 @@ def load_job_target(job: JobConfig) -> FrozenTarget:
     """The target as this process's stages need it: only its embedding, final norm and lm_head
     (+ EAGLE's init layers) when training reads a finished feature cache, else the whole model,
     split over this process's GPU group when one GPU cannot hold it."""
-    from train.distributed import placed_target_config
+    from train.distributed import placed_target_config, rank_device
     from train.offline import parts_only_layers
 
     layers = parts_only_layers(job)
     if layers is not None:
-        return load_target_parts(job.model, layers)
+        return load_target_parts(rank_device(job.model), layers)
     return load_target(placed_target_config(job))
 
 
