@@ -67,16 +67,19 @@ class SpeculationGate:
     tau: rolling tokens committed per speculative step (bonus token included; prior initial_tau).
     Speculative and plain step seconds: rolling wall time of each kind of step (drafting,
     verification and bookkeeping; a one-token target forward), the plain one starting from
-    `plain_seconds` (measured at start). Speculation pays when tau > cost, cost = speculative /
-    plain step seconds (the step's price in plain decode steps). While it does not, it probes
-    every `probe_every`-th step. The state persists across prompts: it describes the drafter,
-    the target and the machine.
+    `plain_seconds` (measured at start). Speculation pays when tau beats cost = speculative /
+    plain step seconds (the step's price in plain decode steps, at least 1: a speculative step
+    does a plain step's work and more, so a lower reading is timing noise) by the relative
+    `margin` (at break-even plain decoding wins: same speed, less work). While it does not pay,
+    it probes every `probe_every`-th step. The state persists across prompts: it describes the
+    drafter, the target and the machine.
     """
 
     plain_seconds: float
     initial_tau: float = 2.0
     probe_every: int = 16
     decay: float = 0.9
+    margin: float = 0.02
     tau: DecayedRatio = field(init=False)
     speculative: DecayedRatio = field(init=False)
     plain: DecayedRatio = field(init=False)
@@ -98,7 +101,7 @@ class SpeculationGate:
 
     def pays(self) -> bool:
         cost = self.cost
-        return cost is None or self.tau.value > cost
+        return cost is None or self.tau.value > max(cost, 1.0) * (1.0 + self.margin)
 
     def speculate(self) -> bool:
         """Decide the coming step: True = draft and verify a tree, False = plain decode step."""

@@ -82,6 +82,10 @@ def test_gate_switches_off_at_a_loss_probes_and_switches_back():
     for _ in range(20):  # drafts got good: 3 tokens per step at the same cost
         gate.record_speculative(3, 0.02)
     assert gate.pays() and all(gate.speculate() for _ in range(5))
+    never = SpeculationGate(plain_seconds=1.0)
+    for _ in range(50):  # no draft ever accepted, on a clock that says verifying is cheap
+        never.record_speculative(1, 0.5)
+    assert never.cost == pytest.approx(0.5, abs=0.01) and not never.pays()
     with pytest.raises(ValueError):
         SpeculationGate(plain_seconds=0.0)
 
