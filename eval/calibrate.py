@@ -93,6 +93,9 @@ def eagle_tree_budget(head, lean: LeanLlama, runtime: RuntimeConfig, prompts, eo
 
 
 def medusa_choices(heads: MedusaHeads, lean: LeanLlama, runtime: RuntimeConfig, prompts, eos, draft_vocab):
+    """runtime.medusa_choices "auto": the static tree (of MEDUSA_AUTO_SIZES nodes) with the most expected
+    tokens per plain-step time from measured rank accuracies and verification costs; else the named
+    or JSON tree. Returns (choices, report fields)."""
     if runtime.medusa_choices != "auto":
         return parse_choices(runtime.medusa_choices), {}
     chain = [(0,) * (k + 1) for k in range(heads.config.num_heads)]
