@@ -27,7 +27,8 @@ from train.data_order import BatchStream, eval_batches
 from train.evaluate import run_eval
 from train.metrics import MetricsLogger, gpu_memory_metrics
 from train.objectives import (
-    FeatureSource, FrozenParts, MemoizedFeatures, OnlineFeatures, eagle_step, medusa_step, ridge_sums,
+    FeatureSource, FrozenParts, MemoizedFeatures, OnlineFeatures, eagle_step, frequent_reply_tokens, medusa_step,
+    ridge_sums,
 )
 
 log = logging.getLogger(__name__)
@@ -119,7 +120,10 @@ def train_heads(job, target, data, source: FeatureSource | None = None, accelera
     set_seed(t.seed + rank)
 
     target.to(device)
-    parts = FrozenParts.from_target(target)
+    loss_vocab = None
+    if kind == "eagle" and job.heads.eagle.loss_vocab_size:
+        loss_vocab = frequent_reply_tokens(data.train, job.heads.eagle.loss_vocab_size, target.vocab_size)
+    parts = FrozenParts.from_target(target, loss_vocab)
     source = source or OnlineFeatures(target)
     eval_source = source
     if t.feature_memory_mb > 0:  # reuse each row's features across epochs and evaluations

@@ -65,17 +65,34 @@ class MemoizedFeatures:
 
 @dataclass
 class FrozenParts:
-    """What the heads borrow from the target: embedding (V, D) and lm_head (V, D) weights."""
+    """What the heads borrow from the target: embedding (V, D) and lm_head (V, D) weights, and
+    optionally a loss vocabulary: ids (V',) whose lm_head rows the EAGLE logit loss projects onto."""
 
     embed_weight: torch.Tensor
     lm_head_weight: torch.Tensor
+    loss_vocab: torch.Tensor | None = None
+
+    def __post_init__(self):
+        self.loss_weight = (self.lm_head_weight if self.loss_vocab is None
+                            else self.lm_head_weight[self.loss_vocab.to(self.lm_head_weight.device)].contiguous())
 
     @classmethod
-    def from_target(cls, target) -> "FrozenParts":
-        return cls(target.embed_tokens.weight.detach(), target.lm_head.weight.detach())
+    def from_target(cls, target, loss_vocab: torch.Tensor | None = None) -> "FrozenParts":
+        return cls(target.embed_tokens.weight.detach(), target.lm_head.weight.detach(), loss_vocab)
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         return nn.functional.embedding(ids, self.embed_weight)
+
+
+def frequent_reply_tokens(rows, size: int, vocab_size: int) -> torch.Tensor:
+    """(min(size, V),) sorted ids of the most frequent assistant tokens of `rows` (dicts with
+    input_ids and loss_mask; ties broken by id): the vocabulary a draft head is scored over."""
+    counts = torch.zeros(vocab_size, dtype=torch.long)
+    for row in rows:
+        ids, mask = torch.as_tensor(row["input_ids"]), torch.as_tensor(row["loss_mask"]).bool()
+        counts += torch.bincount(ids[mask], minlength=vocab_size)[:vocab_size]
+    order = torch.sort(-counts, stable=True).indices  # by count, then by id
+    return order[: min(size, vocab_size)].sort().values
 
 
 @torch.no_grad()
@@ -100,7 +117,8 @@ def ridge_sums(parts: FrozenParts, batches, source: FeatureSource, max_tokens: i
 
 def eagle_step(head: nn.Module, parts: FrozenParts, batch: dict, features: torch.Tensor,
                options: EagleOptions, chunk_size: int) -> dict:
-    """Teacher-forced EAGLE step over T-1 positions (alignment: train/losses.py).
+    """Teacher-forced EAGLE step over T-1 positions (alignment: train/losses.py). The logit loss
+    compares teacher and draft over `parts.loss_weight` (the loss vocabulary when one is set).
     Returns eagle_loss's dict plus `positions` (counted rows)."""
     ids = batch["input_ids"]  # (B, T)
     B, T = ids.shape
@@ -109,7 +127,7 @@ def eagle_step(head: nn.Module, parts: FrozenParts, batch: dict, features: torch
     embeds = parts.embed(ids[:, 1:]).to(inputs.dtype)  # (B, T-1, D) embed(x_{t+1})
     positions = torch.arange(T - 1, device=ids.device).expand(B, T - 1)
     predicted, _ = head(embeds, inputs, positions)  # (B, T-1, D) f̂_{t+1}
-    out = eagle_loss(predicted[mask], features[:, 1:][mask], None, parts.lm_head_weight,
+    out = eagle_loss(predicted[mask], features[:, 1:][mask], None, parts.loss_weight,
                      options.feature_loss_weight, options.logit_loss_weight, chunk_size)
     out["positions"] = int(mask.sum())
     return out

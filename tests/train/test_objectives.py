@@ -1,7 +1,8 @@
 import torch
 
 from data.collate import collate
-from train.objectives import MemoizedFeatures, OnlineFeatures
+from train.losses import eagle_position_mask
+from train.objectives import FrozenParts, MemoizedFeatures, OnlineFeatures, eagle_step, frequent_reply_tokens
 from tests.tiny import tiny_target
 
 
@@ -33,3 +34,38 @@ def test_memoized_features_match_online_and_skip_the_target():
     tiny = MemoizedFeatures(counting, max_megabytes=5 * 64 * 4 / 2**20)  # room for 5 positions only
     tiny(_batch(rows[:2]))
     assert set(tiny.rows) == {"r0"}
+
+
+def test_frequent_reply_tokens_counts_assistant_tokens_only_ties_by_id():
+    rows = [{"input_ids": [5, 5, 7, 9, 9, 9], "loss_mask": [0, 0, 1, 1, 1, 1]},
+            {"input_ids": [3, 7, 2], "loss_mask": [1, 1, 0]}]
+    # reply counts: 9 x3, 7 x2, 3 x1 (5 and 2 are prompt tokens)
+    assert frequent_reply_tokens(rows, 2, 16).tolist() == [7, 9]
+    assert frequent_reply_tokens(rows, 4, 16).tolist() == [0, 3, 7, 9]  # a zero-count tie: lowest id
+    assert frequent_reply_tokens(rows, 99, 16).shape == (16,)
+
+
+def test_eagle_step_with_a_loss_vocabulary_scores_only_those_rows():
+    from heads.config import EagleOptions
+    from heads.eagle import EagleConfig, EagleHead
+
+    target = tiny_target()
+    torch.manual_seed(0)
+    head = EagleHead(EagleConfig.from_target(target))
+    rows = [{"id": "r0", "input_ids": list(range(3, 15)), "loss_mask": [0] * 4 + [1] * 8}]
+    batch = _batch(rows)
+    features = OnlineFeatures(target)(batch)
+    options = EagleOptions(feature_loss_weight=0.0, logit_loss_weight=1.0, input_noise=0.0)
+    vocab = torch.tensor([1, 4, 8, 20, 33])
+    full = eagle_step(head, FrozenParts.from_target(target), batch, features, options, 4)
+    sub = eagle_step(head, FrozenParts.from_target(target, vocab), batch, features, options, 4)
+    # by hand: teacher and draft softmax over the five rows only
+    parts = FrozenParts.from_target(target)
+    mask = eagle_position_mask(batch["loss_mask"], batch["attention_mask"])
+    embeds = parts.embed(batch["input_ids"][:, 1:])
+    predicted, _ = head(embeds, features[:, :-1], torch.arange(11)[None])
+    w = parts.lm_head_weight[vocab]
+    p = torch.softmax(features[:, 1:][mask] @ w.T, -1)
+    expected = -(p * torch.log_softmax(predicted[mask] @ w.T, -1)).sum(-1).mean()
+    torch.testing.assert_close(sub["loss"], expected)
+    assert not torch.allclose(full["loss"], sub["loss"])
