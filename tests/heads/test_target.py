@@ -156,7 +156,7 @@ def _count_decoder_layers(monkeypatch) -> list[int]:
 
 @pytest.mark.parametrize("tied,shard", [(False, None), (True, "40KB")])
 def test_parts_load_embedding_norm_lm_head_and_only_the_layers_asked_for(tmp_path, monkeypatch, tied, shard):
-    from heads.target import load_target_parts
+    from heads.target_parts import load_target_parts
 
     model = tiny_model(num_hidden_layers=4, tie_word_embeddings=tied)
     model.save_pretrained(tmp_path / "tiny", **({"max_shard_size": shard} if shard else {}))
