@@ -4,7 +4,7 @@
   (data/feature_cache.py) and returns `OfflineFeatures`, a `FeatureSource` that reads it instead
   of running the target, with the same losses as online mode. Once the cache is finished,
   `parts_only_layers(job)` says the job needs only the target's embedding, final norm, lm_head
-  (and EAGLE's init layers): `heads.target.load_target_parts` loads just those.
+  (and EAGLE's init layers): `heads.target_parts.load_target_parts` loads just those.
 - Self-distillation: `regenerate_data(job, target, generate_fn=None)` rewrites the assistant turns
   with the target (data/regenerate.py) and returns the ShareGPT JSONL that `data.source` should
   point to. The orchestrator (train/pipeline.py) may pass the lean runtime's generator (library

@@ -117,7 +117,7 @@ def test_no_deepspeed_op_was_jit_compiled(runs):
 
 
 def test_split_target_gpu_groups_tile_the_node():
-    from train.distributed import target_gpu_group, target_max_memory
+    from train.placement import target_gpu_group, target_max_memory
 
     assert [target_gpu_group(r, 8, 4) for r in range(2)] == [[0, 1, 2, 3], [4, 5, 6, 7]]
     assert target_gpu_group(5, 8, 1) == [5]

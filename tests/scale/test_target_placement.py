@@ -8,14 +8,15 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from heads.target import TargetConfig, load_target, load_target_parts
+from heads.target import TargetConfig, load_target
+from heads.target_parts import load_target_parts
 from tests.tiny import tiny_model
-from tests.train.test_pipeline import tiny_chat_model  # noqa: F401 - a fixture
 from tests.train.loop_fixtures import tiny_data, tiny_job
+from tests.train.test_pipeline import tiny_chat_model  # noqa: F401 - a fixture
 from train.__main__ import compose_job
-from train.distributed import placed_target_config
 from train.offline import offline_source, parts_only_layers
 from train.pipeline import load_job_target
+from train.placement import placed_target_config
 from train.plan import target_span
 
 
