@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from heads.target import FrozenTarget, load_target, load_target_parts
+from heads.target import FrozenTarget, load_target
 from train.job import ConfigError, JobConfig
 
 log = logging.getLogger(__name__)
@@ -47,8 +47,9 @@ def load_job_target(job: JobConfig) -> FrozenTarget:
     """The target as this process's stages need it: only its embedding, final norm and lm_head
     (+ EAGLE's init layers) when training reads a finished feature cache, else the whole model,
     split over this process's GPU group when one GPU cannot hold it."""
-    from train.distributed import placed_target_config, rank_device
+    from heads.target_parts import load_target_parts
     from train.offline import parts_only_layers
+    from train.placement import placed_target_config, rank_device
 
     layers = parts_only_layers(job)
     if layers is not None:
