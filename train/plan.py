@@ -76,13 +76,18 @@ def _require(arch: TargetArch) -> TargetArch:
     return arch
 
 
-def target_parameter_count(arch: TargetArch) -> int:
-    """Parameters of a Llama-family target with an untied lm_head."""
-    D, I, V = arch.hidden_size, arch.intermediate_size, arch.vocab_size
+def decoder_layer_parameter_count(arch: TargetArch) -> int:
+    """Parameters of one Llama-family decoder layer (attention, MLP, two norms)."""
+    D, I = arch.hidden_size, arch.intermediate_size
     head_dim = D // arch.num_attention_heads
     attention = 2 * D * arch.num_attention_heads * head_dim + 2 * D * arch.num_key_value_heads * head_dim
-    layer = attention + 3 * D * I + 2 * D
-    return 2 * V * D + arch.num_hidden_layers * layer + D
+    return attention + 3 * D * I + 2 * D
+
+
+def target_parameter_count(arch: TargetArch) -> int:
+    """Parameters of a Llama-family target with an untied lm_head."""
+    D, V = arch.hidden_size, arch.vocab_size
+    return 2 * V * D + arch.num_hidden_layers * decoder_layer_parameter_count(arch) + D
 
 
 def head_parameter_counts(job: JobConfig) -> tuple[int, int]:
@@ -215,7 +220,14 @@ def make_plan(job: JobConfig, num_records: int | None = None, tokens_per_record:
     world = ds.num_gpus * ds.num_nodes
     training = _head_items(job, world, dtype_bytes)
     if offline:
-        training.append(Item("feature batch", B * T * D * layers * dtype_bytes / GB, "read from the cache; target not loaded"))
+        if job.heads.type == "eagle":  # the target is loaded in parts (train.offline.parts_only_layers)
+            init = job.heads.eagle.init_layer
+            count = len({0, init % arch.num_hidden_layers}) if init is not None else 1
+            layer_gb = decoder_layer_parameter_count(arch) * dtype_bytes / GB
+            training.insert(1, Item("target decoder layers", count * layer_gb,
+                                    f"{count} of {arch.num_hidden_layers}: layer 0's shape, heads.eagle.init_layer's weights"))
+        training.append(Item("feature batch", B * T * D * layers * dtype_bytes / GB,
+                             "read from the cache; the rest of the target not loaded"))
     else:
         span = target_span(job)
         world //= span

@@ -109,3 +109,17 @@ def test_planned_trainable_count_is_the_real_heads(overrides):
     head = build_head(config)
     trained = sum(p.numel() for p in head.parameters() if p.requires_grad)
     assert head_parameter_counts(job)[0] == trained
+
+
+def test_offline_eagle_training_counts_the_target_layers_loaded_beside_the_cache():
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+    from train.plan import decoder_layer_parameter_count
+
+    layer = LlamaDecoderLayer(tiny_llama_config(), layer_idx=0)
+    assert decoder_layer_parameter_count(_tiny_arch()) == sum(p.numel() for p in layer.parameters())
+    plan = make_plan(compose_job(["+recipe=eagle_llama3_70b"]), cache_dir="/")
+    layers = next(item for item in plan.training if item.name == "target decoder layers")
+    assert layers.gigabytes == pytest.approx(2 * 0.856e9 * 2 / 1e9, rel=0.01)  # layers 0 and 79 in bf16
+    medusa = make_plan(compose_job(["+recipe=medusa_vicuna_7b", "data.mode=offline"]), cache_dir="/")
+    assert not any(item.name == "target decoder layers" for item in medusa.training)
