@@ -273,7 +273,7 @@ class FrozenTarget(nn.Module):
             raise RuntimeError(f"the target {self.name} was loaded in parts (embedding, final norm, lm_head, "
                                f"decoder layers {self.decoder_layers.indices}): its forward needs load_target")
         home = input_ids.device
-        device = self.device if self.device.type != "meta" else home  # meta: offloaded, accelerate's hooks place inputs
+        device = self.device if self.device.type != "meta" else home  # meta: offloaded; accelerate's hooks move
         mask = attention_mask.to(device) if attention_mask is not None else None
         wanted = sorted({layer % (self.num_layers + 1) for layer in layers})
         need_all = any(layer != self.num_layers for layer in wanted)
@@ -353,7 +353,7 @@ def load_target(config: TargetConfig, model: nn.Module | None = None, tokenizer=
     return FrozenTarget(model, tokenizer, name=config.name_or_path)
 
 
-# -- the target in parts ------------------------------------------------------------------------
+# -- the target in parts (loaded by heads/target_parts.py) -----------------------------------------
 class PartialLayers(nn.ModuleDict):
     """Some decoder layers of a target, under their own indices (state-dict keys stay
     `model.layers.<i>.*`); indexing by int like the full ModuleList, negative from `total`."""

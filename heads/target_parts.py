@@ -31,7 +31,8 @@ def _fetch(source: str, filename: str, revision: str | None) -> Path | None:
         return None
 
 
-def read_checkpoint_tensors(source: str, names: Sequence[str], revision: str | None = None) -> dict[str, torch.Tensor]:
+def read_checkpoint_tensors(source: str, names: Sequence[str],
+                            revision: str | None = None) -> dict[str, torch.Tensor]:
     """The tensors `names` of a safetensors checkpoint (single file or sharded with
     model.safetensors.index.json), opening only the shards that hold them; absent names are left out."""
     from safetensors import safe_open
