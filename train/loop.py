@@ -107,7 +107,7 @@ def train_heads(job, target, data, source: FeatureSource | None = None, accelera
     Writes <trainer.output_dir>/{checkpoints/, metrics.jsonl, result.json}."""
     from accelerate.utils import gather_object, set_seed
 
-    from train.distributed import gather_head_state, make_accelerator, restore_head_state
+    from train.distributed import full_parameters, gather_head_state, make_accelerator, restore_head_state
 
     t, kind = job.trainer, job.heads.type
     start_time = time.time()  # trainer.max_minutes counts set-up (ridge fit) and evaluations too
@@ -188,11 +188,11 @@ def train_heads(job, target, data, source: FeatureSource | None = None, accelera
         rngs = gather_object([rng_state()]) if world > 1 else [rng_state()]
         optimizer_state = gather_head_state(accelerator, head, optimizer)  # collective under ZeRO
         path = None
-        if main:
-            path = save_checkpoint(root, step, accelerator.unwrap_model(head), head_config, optimizer_state,
-                                   scheduler.state_dict(), rngs,
-                                   {**state, "data_position": stream.position(), "eval": eval_metrics or {}})
-            prune_checkpoints(root, t.keep_last, {best_step} if best_step is not None else set())
+        with full_parameters(accelerator, head) as module:  # ZeRO-3: whole weights on every process
+            if main:
+                path = save_checkpoint(root, step, module, head_config, optimizer_state, scheduler.state_dict(),
+                                       rngs, {**state, "data_position": stream.position(), "eval": eval_metrics or {}})
+                prune_checkpoints(root, t.keep_last, {best_step} if best_step is not None else set())
         accelerator.wait_for_everyone()
         last_saved = root / path.name if path else root / f"step-{step:08d}"
         return last_saved
