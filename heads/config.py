@@ -27,6 +27,7 @@ class EagleOptions:
     init_fc: str = "feature"  # feature: fc = [0 | I] (passes f_t through) | random | ridge (fitted on data)
     ridge_tokens: int = 20000  # init_fc=ridge: positions the linear fit uses
     ridge_penalty: float = 1e-3  # init_fc=ridge: L2 penalty per position
+    fc_learning_rate_scale: float = 1.0  # fc trains at this fraction of trainer.learning_rate
     loss_vocab_size: int = 0  # >0: the logit loss runs over the most frequent reply tokens only (0: full vocab)
 
 

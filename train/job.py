@@ -76,6 +76,7 @@ def validate_job(job: JobConfig) -> JobConfig:
     _choice("heads.eagle.init_fc", job.heads.eagle.init_fc, {"feature", "random", "ridge"})
     _positive("heads.eagle.ridge_tokens", job.heads.eagle.ridge_tokens)
     _positive("heads.eagle.ridge_penalty", job.heads.eagle.ridge_penalty, allow_zero=True)
+    _positive("heads.eagle.fc_learning_rate_scale", job.heads.eagle.fc_learning_rate_scale, allow_zero=True)
     _positive("heads.eagle.loss_vocab_size", job.heads.eagle.loss_vocab_size, allow_zero=True)
     arch_hidden = job.model.arch.hidden_size
     if job.heads.hidden_size is not None and arch_hidden is not None and job.heads.hidden_size != arch_hidden:

@@ -131,8 +131,8 @@ def train_heads(job, target, data, source: FeatureSource | None = None, accelera
         eval_source = MemoizedFeatures(eval_source, t.feature_memory_mb)
     head, head_config = build_head_for_job(job, target, initial)
     head.to(device)
-    optimizer = torch.optim.AdamW(head.parameters(), lr=t.learning_rate, betas=(t.adam_beta1, t.adam_beta2),
-                                  weight_decay=t.weight_decay)
+    optimizer = torch.optim.AdamW(_param_groups(head, kind, job.heads.eagle, t.learning_rate), lr=t.learning_rate,
+                                  betas=(t.adam_beta1, t.adam_beta2), weight_decay=t.weight_decay)
     warmup = int(t.warmup_ratio * t.max_steps)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: lr_factor(s, warmup, t.max_steps, t.schedule))
@@ -247,7 +247,7 @@ def train_heads(job, target, data, source: FeatureSource | None = None, accelera
             if step % t.log_every == 0 or last:
                 metrics = window.flush(reduce, device, kind, world)
                 state["tokens"] += int(metrics.pop("tokens"))
-                metrics.update({"train/lr": scheduler.get_last_lr()[0], "train/grad_norm": float(grad_norm),
+                metrics.update({"train/lr": scheduler.get_last_lr()[-1], "train/grad_norm": float(grad_norm),
                                 "train/tokens_seen": state["tokens"], **gpu_memory_metrics(device)})
                 if main:
                     logger.log(step, metrics)
@@ -276,6 +276,16 @@ def train_heads(job, target, data, source: FeatureSource | None = None, accelera
         if logger is not None:
             logger.close()
     return result
+
+
+def _param_groups(head, kind: str, options, learning_rate: float) -> list[dict]:
+    """One AdamW group, or for EAGLE with fc_learning_rate_scale != 1 two: fc at the scaled rate
+    (a ridge-fitted fc is a solution Adam's first, sign-like steps would scramble) and the rest."""
+    if kind != "eagle" or options.fc_learning_rate_scale == 1.0:
+        return [{"params": list(head.parameters())}]
+    fc = [p for name, p in head.named_parameters() if name.startswith("fc.")]
+    rest = [p for name, p in head.named_parameters() if not name.startswith("fc.")]
+    return [{"params": fc, "lr": learning_rate * options.fc_learning_rate_scale}, {"params": rest}]
 
 
 def _fit_fc(head, options, parts, source, rows, t, world, rank, pad_id, device, reduce) -> None:

@@ -171,3 +171,19 @@ def test_init_fc_ridge_fits_fc_on_the_first_training_batches(tmp_path):
     set_fc_by_ridge(expected, gram, cross, rows, job.heads.eagle.ridge_penalty)
     torch.testing.assert_close(trained.fc.weight, expected.fc.weight, atol=1e-5, rtol=1e-4)
     assert trained.layers[0].mlp.down_proj.weight.abs().max() < 1e-6
+
+
+def test_fc_learning_rate_scale_zero_freezes_fc_and_logs_the_main_rate(tmp_path):
+    target = tiny_target()
+    job = tiny_job(tmp_path, max_steps=3, warmup_ratio=0.0, schedule="constant")
+    job.heads.eagle.init_fc, job.heads.eagle.init_layer = "feature", None
+    job.heads.eagle.fc_learning_rate_scale = 0.0
+    job.heads.eagle.loss_vocab_size = 64
+    torch.manual_seed(0)
+    result = train_heads(job, target, tiny_data())
+    trained, _, _ = load_head(result.last_checkpoint, target)
+    D = trained.config.hidden_size
+    torch.testing.assert_close(trained.fc.weight[:, D:], torch.eye(D))  # fc kept its [0 | I] start
+    assert trained.fc.weight[:, :D].abs().max() == 0
+    assert trained.layers[0].self_attn.o_proj.weight.abs().max() > 0  # the rest did train
+    assert set(_metrics(tmp_path, "train/lr").values()) == {job.trainer.learning_rate}
