@@ -28,7 +28,9 @@ class EagleOptions:
     ridge_tokens: int = 20000  # init_fc=ridge: positions the linear fit uses
     ridge_penalty: float = 1e-3  # init_fc=ridge: L2 penalty per position
     fc_learning_rate_scale: float = 1.0  # fc trains at this fraction of trainer.learning_rate
-    loss_vocab_size: int = 0  # >0: the logit loss runs over the most frequent reply tokens only (0: full vocab)
+    # the logit loss runs over the N most frequent reply tokens (0: the full vocabulary; None: as many
+    # as the runtime drafts from, runtime.draft_vocab_size, so the head is trained on what it will score)
+    loss_vocab_size: int | None = None
 
 
 @dataclass

@@ -120,9 +120,10 @@ def train_heads(job, target, data, source: FeatureSource | None = None, accelera
     set_seed(t.seed + rank)
 
     target.to(device)
-    loss_vocab = None
-    if kind == "eagle" and job.heads.eagle.loss_vocab_size:
-        loss_vocab = frequent_reply_tokens(data.train, job.heads.eagle.loss_vocab_size, target.vocab_size)
+    loss_vocab, size = None, job.heads.eagle.loss_vocab_size
+    size = job.runtime.draft_vocab_size if size is None else size
+    if kind == "eagle" and size:
+        loss_vocab = frequent_reply_tokens(data.train, size, target.vocab_size)
     parts = FrozenParts.from_target(target, loss_vocab)
     source = source or OnlineFeatures(target)
     eval_source = source
