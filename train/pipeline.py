@@ -75,6 +75,7 @@ def run_job(job: JobConfig) -> dict:
     if job.trainer.num_threads:
         torch.set_num_threads(job.trainer.num_threads)
     started = time.time()
+    earlier = _earlier_summary(run_dir)
     log.info("job %s: stages %s, run folder %s", job.recipe, job.stages, run_dir)
     target = load_job_target(job)
     check_arch(job, target)
@@ -89,7 +90,7 @@ def run_job(job: JobConfig) -> dict:
         job = dataclasses.replace(job, data=dataclasses.replace(job.data, source=str(regenerated), format="jsonl"))
 
     prepared = None
-    if {"data", "train", "features"} & set(job.stages):
+    if {"data", "train", "features", "eval"} & set(job.stages):  # eval drafts over the training replies' vocabulary
         from data.pipeline import prepare_data
 
         prepared = prepare_data(job.data, target.tokenizer, run_dir)
@@ -123,7 +124,8 @@ def run_job(job: JobConfig) -> dict:
     if "export" in job.stages:
         from export.writer import export_all
 
-        extra = {"training": _training_figures(summary), "eval": _eval_figures(summary)}
+        known = {**earlier, **summary}  # an export-only re-run keeps the training run's figures
+        extra = {"training": _training_figures(known), "eval": _eval_figures(known)}
         runtime = (summary.get("eval") or {}).get("recommended_runtime")
         if runtime:
             extra["runtime"] = runtime
@@ -136,7 +138,7 @@ def run_job(job: JobConfig) -> dict:
 
     summary["wall_seconds"] = round(time.time() - started, 1)
     if int(os.environ.get("RANK", "0")) == 0:
-        _write_json(run_dir / "job_summary.json", summary)
+        _write_json(run_dir / "job_summary.json", {**earlier, **summary})
         print(_final_lines(summary))
     return summary
 
@@ -227,6 +229,16 @@ def _draft_vocab(runtime, prepared):
 
     replies = [[t for t, m in zip(row["input_ids"], row["loss_mask"]) if m] for row in prepared.train]
     return frequent_token_ids(replies, runtime.draft_vocab_size)
+
+
+def _earlier_summary(run_dir: Path) -> dict:
+    """The stages an earlier run of this job folder recorded (job_summary.json), or {}."""
+    path = run_dir / "job_summary.json"
+    try:
+        values = json.loads(path.read_text()) if path.is_file() else {}
+    except json.JSONDecodeError:
+        return {}
+    return {key: values[key] for key in ("data", "train", "eval") if key in values}
 
 
 def _training_figures(summary: dict) -> dict:

@@ -62,6 +62,11 @@ def test_job_runs_every_stage(tiny_chat_model, tmp_path):
     # Re-running only the later stages picks up the trained head from the run folder.
     again = run_job(tiny_job(tiny_chat_model, tmp_path, "run", 2, "stages=[export]", f"export.out={tmp_path / 'x'}"))
     assert set(again["export"]) == {"native", "eagle", "eagle_vllm"}
+    manifest = json.loads((tmp_path / "x" / "native" / "specheads.json").read_text())
+    assert manifest["training"]["steps"] == 2  # figures of the run that trained the head
+    assert manifest["training"]["held_out"] == summary["train"]["final_eval"]
+    kept = json.loads((run / "job_summary.json").read_text())
+    assert kept["train"] == summary["train"] and kept["export"] == again["export"]
     # Training can start from an engine-layout export (bf16 weights read back into a head).
     resumed = run_job(tiny_job(tiny_chat_model, tmp_path, "again", 1,
                                f"trainer.init_from={summary['export']['eagle']}", "stages=[data,train]"))
