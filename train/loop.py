@@ -206,7 +206,8 @@ def train_heads(job, target, data, source: FeatureSource | None = None, accelera
             state["best"] = {"step": step, "metric": BEST_METRIC, "value": value}
             best_step = step
         if main:
-            logger.log(step, metrics)
+            minutes = (state["elapsed_seconds"] if step else time.time() - start_time) / 60
+            logger.log(step, {**metrics, "eval/wall_minutes": minutes})  # since the job's loop started
             log.info("step %d eval: %s", step, _short(metrics))
         return metrics
 

@@ -130,6 +130,16 @@ def test_wandb_offline_run_folder_and_metrics_jsonl(tmp_path, monkeypatch):
     assert sorted(_metrics(tmp_path)) == [1, 2, 3, 4]
     assert sorted(_metrics(tmp_path, "eval/acceptance_length")) == [0, 2, 4]
     assert set(_metrics(tmp_path, "train/tokens_per_s")) == {1, 2, 3, 4}
+    minutes = _metrics(tmp_path, "eval/wall_minutes")
+    assert sorted(minutes) == [0, 2, 4] and 0 <= minutes[0] <= minutes[2] <= minutes[4]
+    # the learning-curve script reads the same file: one row per evaluation, tokens accumulating
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from learning_curve import curve, render
+
+    rows = curve(tmp_path)
+    assert [r["step"] for r in rows] == [0, 2, 4] and [r["minutes"] for r in rows] == list(minutes.values())
+    assert rows[0]["tokens"] == 0 < rows[1]["tokens"] < rows[2]["tokens"]
+    assert len(rows[2]["top1"]) == 4 and "| 4 |" in render("run", rows, markdown=True)
 
 
 def test_max_minutes_stops_early(tmp_path):
