@@ -17,9 +17,12 @@ from pathlib import Path
 
 def curve(run_dir: Path) -> list[dict]:
     """One row per evaluation: step, minutes, tokens seen, top-1 per step/head, acceptance estimate."""
-    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    path = run_dir / "metrics.jsonl"
+    if not path.is_file():
+        raise SystemExit(f"{path}: no such file (not a run folder, or the run has not logged yet)")
+    lines = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
     if not lines:
-        raise SystemExit(f"{run_dir / 'metrics.jsonl'} is empty")
+        raise SystemExit(f"{path} is empty")
     tokens, start, rows = 0, None, []
     for line in lines:
         tokens = line.get("train/tokens_seen", tokens)
