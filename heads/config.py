@@ -27,6 +27,8 @@ class EagleOptions:
     init_fc: str = "feature"  # feature: fc = [0 | I] (passes f_t through) | random | ridge (fitted on data)
     ridge_tokens: int = 20000  # init_fc=ridge: positions the linear fit uses
     ridge_penalty: float = 1e-3  # init_fc=ridge: L2 penalty per position
+    train_steps: int = 1  # >1: unroll the head on its own outputs in training (EAGLE-3's training-time test)
+    unroll_loss_decay: float = 0.8  # step j of the unroll weighs decay**j
     fc_learning_rate_scale: float = 1.0  # fc trains at this fraction of trainer.learning_rate
     # the logit loss runs over the N most frequent reply tokens (0: the full vocabulary; None: as many
     # as the runtime drafts from, runtime.draft_vocab_size, so the head is trained on what it will score)

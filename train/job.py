@@ -76,6 +76,8 @@ def validate_job(job: JobConfig) -> JobConfig:
     _choice("heads.eagle.init_fc", job.heads.eagle.init_fc, {"feature", "random", "ridge"})
     _positive("heads.eagle.ridge_tokens", job.heads.eagle.ridge_tokens)
     _positive("heads.eagle.ridge_penalty", job.heads.eagle.ridge_penalty, allow_zero=True)
+    _positive("heads.eagle.train_steps", job.heads.eagle.train_steps)
+    _positive("heads.eagle.unroll_loss_decay", job.heads.eagle.unroll_loss_decay, allow_zero=True)
     _positive("heads.eagle.fc_learning_rate_scale", job.heads.eagle.fc_learning_rate_scale, allow_zero=True)
     _positive("heads.eagle.loss_vocab_size", job.heads.eagle.loss_vocab_size, allow_zero=True)
     arch_hidden = job.model.arch.hidden_size

@@ -117,19 +117,41 @@ def ridge_sums(parts: FrozenParts, batches, source: FeatureSource, max_tokens: i
 
 def eagle_step(head: nn.Module, parts: FrozenParts, batch: dict, features: torch.Tensor,
                options: EagleOptions, chunk_size: int) -> dict:
-    """Teacher-forced EAGLE step over T-1 positions (alignment: train/losses.py). The logit loss
-    compares teacher and draft over `parts.loss_weight` (the loss vocabulary when one is set).
-    Returns eagle_loss's dict plus `positions` (counted rows)."""
+    """EAGLE step over the T-1 positions of a batch (alignment: train/losses.py). Step 0 is
+    teacher-forced (the head reads the target's f_t); with options.train_steps = S > 1 the head
+    is unrolled S steps as in speculative decoding (train/evaluate.py's chains, EAGLE-3's
+    training-time test): step j reads the data token x_{t+1+j} and its own step j-1 output
+    (detached), attends to the true context and its own chain, and is scored against f_{t+1+j}
+    with weight unroll_loss_decay**j. The logit loss runs over `parts.loss_weight` (the loss
+    vocabulary when one is set). Returns step 0's {feature_loss, logit_loss, hits}, the weighted
+    total `loss`, and `positions` (step 0's counted rows)."""
     ids = batch["input_ids"]  # (B, T)
     B, T = ids.shape
-    mask = eagle_position_mask(batch["loss_mask"], batch["attention_mask"])  # (B, T-1)
-    inputs = add_uniform_noise(features[:, :-1], options.input_noise)  # (B, T-1, D) f_t
-    embeds = parts.embed(ids[:, 1:]).to(inputs.dtype)  # (B, T-1, D) embed(x_{t+1})
-    positions = torch.arange(T - 1, device=ids.device).expand(B, T - 1)
-    predicted, _ = head(embeds, inputs, positions)  # (B, T-1, D) f̂_{t+1}
-    out = eagle_loss(predicted[mask], features[:, 1:][mask], None, parts.loss_weight,
-                     options.feature_loss_weight, options.logit_loss_weight, chunk_size)
-    out["positions"] = int(mask.sum())
+    n = T - 1
+    base = eagle_position_mask(batch["loss_mask"], batch["attention_mask"])  # (B, n)
+    inputs = add_uniform_noise(features[:, :-1], options.input_noise)  # (B, n, D) f_t
+    positions = torch.arange(n, device=ids.device).expand(B, n)
+    steps = max(1, min(options.train_steps, n))
+    past, mask, out, total = None, None, {}, 0.0
+    for j in range(steps):
+        tokens = torch.zeros_like(ids[:, 1:])  # (B, n) x_{t+1+j}
+        tokens[:, : n - j] = ids[:, 1 + j:]
+        if j > 0:  # chain t: the true context (<= t) and its own entries of steps 1..j
+            causal = torch.ones(n, n, dtype=torch.bool, device=ids.device).tril()
+            diagonal = torch.eye(n, dtype=torch.bool, device=ids.device)
+            mask = torch.cat([causal] + [diagonal] * j, dim=1)[None, None]  # (1, 1, n, n(j+1))
+        predicted, past = head(parts.embed(tokens).to(inputs.dtype), inputs, positions + j, attention_mask=mask,
+                               past_key_values=past, use_cache=steps > 1)  # (B, n, D) f̂_{t+1+j}
+        valid = torch.zeros_like(base)
+        valid[:, : n - j] = base[:, j:]
+        truth = torch.zeros_like(features[:, 1:])  # f_{t+1+j}
+        truth[:, : n - j] = features[:, 1 + j:]
+        step = eagle_loss(predicted[valid], truth[valid], None, parts.loss_weight, options.feature_loss_weight,
+                          options.logit_loss_weight, chunk_size)
+        total = total + options.unroll_loss_decay**j * step["loss"]
+        out = out or {**step, "positions": int(valid.sum())}
+        inputs = predicted.detach()
+    out["loss"] = total
     return out
 
 

@@ -69,3 +69,39 @@ def test_eagle_step_with_a_loss_vocabulary_scores_only_those_rows():
     expected = -(p * torch.log_softmax(predicted[mask] @ w.T, -1)).sum(-1).mean()
     torch.testing.assert_close(sub["loss"], expected)
     assert not torch.allclose(full["loss"], sub["loss"])
+
+
+def test_eagle_step_unrolled_scores_the_heads_own_chain_like_the_evaluation():
+    from heads.config import EagleOptions
+    from heads.eagle import EagleConfig, EagleHead
+    from train.evaluate import eagle_unroll
+    from train.losses import eagle_loss
+
+    target = tiny_target()
+    torch.manual_seed(1)
+    head = EagleHead(EagleConfig.from_target(target))
+    rows = [{"id": "r0", "input_ids": list(range(3, 17)), "loss_mask": [0] * 3 + [1] * 11},
+            {"id": "r1", "input_ids": list(range(40, 50)), "loss_mask": [0] * 2 + [1] * 8}]
+    batch = _batch(rows)
+    features = OnlineFeatures(target)(batch)
+    parts = FrozenParts.from_target(target)
+    options = EagleOptions(input_noise=0.0, train_steps=3, unroll_loss_decay=0.5)
+    out = eagle_step(head, parts, batch, features, options, 8)
+    one = eagle_step(head, parts, batch, features, EagleOptions(input_noise=0.0), 8)
+    torch.testing.assert_close(out["feature_loss"], one["feature_loss"])  # step 0 figures are step 0's
+    assert out["positions"] == one["positions"]
+    # reference: the evaluation's unrolled chains, scored step by step
+    chains = eagle_unroll(head, parts, batch["input_ids"], features, 3)
+    base = eagle_position_mask(batch["loss_mask"], batch["attention_mask"])
+    n, expected = base.shape[1], 0.0
+    for j, predicted in enumerate(chains):
+        valid = torch.zeros_like(base)
+        valid[:, : n - j] = base[:, j:]
+        truth = torch.zeros_like(features[:, 1:])
+        truth[:, : n - j] = features[:, 1 + j:]
+        step = eagle_loss(predicted[valid], truth[valid], None, parts.lm_head_weight, 1.0, 0.1, 8)
+        expected += 0.5**j * float(step["loss"])
+    assert abs(float(out["loss"].detach()) - expected) < 1e-4 * expected
+    assert float(out["loss"].detach()) > float(one["loss"].detach())
+    out["loss"].backward()  # gradients reach the head through every step
+    assert head.layers[0].mlp.down_proj.weight.grad.abs().sum() > 0
