@@ -98,3 +98,35 @@ def test_cached_truths_give_the_same_counts(target):
     assert len(truths) == 3
     torch.testing.assert_close(eagle_eval_counts(head, parts, batch, features, 3, truths), first)
     torch.testing.assert_close(eagle_eval_counts(head, parts, batch, features, 3), first)
+
+
+def test_held_out_chains_draft_what_the_runtime_chain_drafts():
+    """The training-time evaluation (eagle_unroll) and the runtime's EAGLE chain drafter compute the
+    same chain: fed the drafter's own chain tokens as data tokens, every unrolled step's argmax is
+    the drafter's next token (so the held-out figures measure the drafter that will run)."""
+    from eval.drafters import DraftState
+    from eval.drafters.eagle import EagleDrafter
+    from eval.model import LeanLlama
+    from eval.sampling import SamplingConfig
+    from heads.eagle import EagleConfig, EagleHead, init_from_target
+    from train.evaluate import eagle_unroll
+    from train.objectives import FrozenParts
+    from tests.tiny import tiny_target
+
+    torch.manual_seed(0)
+    target = tiny_target()
+    lean = LeanLlama.from_hf(target.model, max_seq_len=64)
+    head = init_from_target(EagleHead(EagleConfig.from_target(target)), target, layer=-1, fc="feature").eval()
+    prompt = torch.randint(3, 128, (9,), generator=torch.Generator().manual_seed(5))
+    L = lean.config.num_layers
+    features = lean(prompt[:-1], lean.new_cache(), hidden_layers=(-1,), logits="none").hidden[L]  # f_0..f_{T-2}
+    drafter = EagleDrafter(head, lean, mode="chain", depth=4)
+    drafter.reset(prompt)
+    chain = drafter.propose(DraftState(prompt, prompt.shape[0] - 1, {L: features}, L, SamplingConfig())).tokens
+    sequence = torch.cat([prompt, torch.as_tensor(chain[:-1])])  # data tokens = the drafter's own chain
+    truth = torch.cat([features, features.new_zeros(len(chain), features.shape[1])])[None]  # only f_{<=T-2} read
+    parts = FrozenParts.from_target(target)
+    outputs = eagle_unroll(head, parts, sequence[None], truth[:, : sequence.shape[0]], len(chain))
+    root = prompt.shape[0] - 2  # chain t = T-2: reads x_{T-1} (the root) and f_{T-2}
+    unrolled = [int((outputs[j][0, root] @ parts.lm_head_weight.T).argmax()) for j in range(len(chain))]
+    assert unrolled == list(chain)
