@@ -108,6 +108,7 @@ def run_job(job: JobConfig) -> dict:
 
         result = train_heads(job, target, prepared, source=source, initial=_engine_export_head(job, target))
         summary["train"] = {"steps": result.steps, "stopped": result.stopped, "best_eval": result.best_eval,
+                            "hardware": hardware(), "recipe": job.recipe, "data_source": job.data.source,
                             "final_eval": result.final_eval,
                             "best_checkpoint": str(result.best_checkpoint or result.last_checkpoint)}
         checkpoint = result.best_checkpoint or result.last_checkpoint
@@ -244,9 +245,10 @@ def _earlier_summary(run_dir: Path) -> dict:
 def _training_figures(summary: dict) -> dict:
     train = summary.get("train") or {}
     data = (summary.get("data") or {}).get("train", {})
-    return {"steps": train.get("steps"), "held_out": train.get("final_eval"), "best": train.get("best_eval"),
+    return {"recipe": train.get("recipe", summary.get("recipe")), "data_source": train.get("data_source"),
+            "steps": train.get("steps"), "held_out": train.get("final_eval"), "best": train.get("best_eval"),
             "train_records": data.get("records"), "train_tokens": data.get("tokens"),
-            "hardware": summary.get("hardware")}
+            "hardware": train.get("hardware", summary.get("hardware"))}  # where the head was trained
 
 
 def _eval_figures(summary: dict) -> dict:

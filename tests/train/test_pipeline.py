@@ -65,6 +65,7 @@ def test_job_runs_every_stage(tiny_chat_model, tmp_path):
     manifest = json.loads((tmp_path / "x" / "native" / "specheads.json").read_text())
     assert manifest["training"]["steps"] == 2  # figures of the run that trained the head
     assert manifest["training"]["held_out"] == summary["train"]["final_eval"]
+    assert manifest["training"]["hardware"] == summary["train"]["hardware"] and manifest["training"]["data_source"]
     kept = json.loads((run / "job_summary.json").read_text())
     assert kept["train"] == summary["train"] and kept["export"] == again["export"]
     # Training can start from an engine-layout export (bf16 weights read back into a head).
