@@ -36,3 +36,16 @@ def tiny_model(seed: int = 0, **overrides):
 def tiny_target(seed: int = 0, **overrides) -> FrozenTarget:
     model = tiny_model(seed, **overrides)
     return load_target(TargetConfig(name_or_path="tiny-random-llama", device="cpu"), model=model, tokenizer=None)
+
+
+def tiny_eagle_setup(max_seq_len: int = 256):
+    """(target, lean forward, EAGLE head started from the target's last layer with fc passing f_t
+    through, in eval mode): drafts that the tiny target accepts now and then."""
+    from eval.model import LeanLlama
+    from heads.eagle import EagleConfig, EagleHead, init_from_target
+
+    torch.manual_seed(0)
+    target = tiny_target()
+    lean = LeanLlama.from_hf(target.model, max_seq_len=max_seq_len)
+    head = init_from_target(EagleHead(EagleConfig.from_target(target)), target, layer=-1, fc="feature").eval()
+    return target, lean, head

@@ -8,21 +8,16 @@ from eval.drafters import Candidates, DraftState
 from eval.drafters.adaptive import DecayedRatio, FallbackDrafter, ProbeSchedule, SpeculationGate
 from eval.drafters.eagle import EagleDrafter
 from eval.generate import plain_generate, speculative_generate
-from eval.model import LeanLlama
 from eval.sampling import SamplingConfig
-from heads.eagle import EagleConfig, EagleHead, init_from_target
 from tests.eval.test_generate import OracleDrafter
-from tests.tiny import tiny_target
+from tests.tiny import tiny_eagle_setup
 
 NEW_TOKENS = 24
 
 
 @pytest.fixture(scope="module")
 def setup():
-    torch.manual_seed(0)
-    target = tiny_target()
-    lean = LeanLlama.from_hf(target.model, max_seq_len=256)
-    head = init_from_target(EagleHead(EagleConfig.from_target(target)), target, layer=-1, fc="feature").eval()
+    _, lean, head = tiny_eagle_setup()
     return lean, head
 
 

@@ -47,16 +47,21 @@ def exact(lean, prompt) -> dict:
     return out
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("drafter_name", ["sampled_chain", "deterministic_tree"])
-def test_speculative_sampling_matches_exact_distribution(drafter_name):
+def _peaked_lean() -> LeanLlama:
+    """A tiny target over VOCAB tokens with peaked, non-degenerate next-token distributions."""
     model = tiny_model(vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_attention_heads=2,
                        num_key_value_heads=1, bos_token_id=0, eos_token_id=1, pad_token_id=0)
     with torch.no_grad():
         for p in model.parameters():
             if p.dim() == 2:
                 p.normal_(0.0, 0.6)
-    lean = LeanLlama.from_hf(model, max_seq_len=32)
+    return LeanLlama.from_hf(model, max_seq_len=32)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("drafter_name", ["sampled_chain", "deterministic_tree"])
+def test_speculative_sampling_matches_exact_distribution(drafter_name):
+    lean = _peaked_lean()
     prompt = torch.tensor([1, 3, 2])
     generator = torch.Generator().manual_seed(0)
     counts = {}
@@ -92,13 +97,7 @@ class CostlyTree(TreeStub):
 def test_fallback_switching_mid_sequence_keeps_the_exact_distribution():
     """One gate shared by every sample, so each step's choice (tree or plain step) depends on the
     random acceptance history: sampling must still follow the target exactly."""
-    model = tiny_model(vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_attention_heads=2,
-                       num_key_value_heads=1, bos_token_id=0, eos_token_id=1, pad_token_id=0)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() == 2:
-                p.normal_(0.0, 0.6)
-    lean = LeanLlama.from_hf(model, max_seq_len=32)
+    lean = _peaked_lean()
     prompt = torch.tensor([1, 3, 2])
     clock = Clock()
     # A speculative step costs 1 + 0.7 plain steps: it pays while recent steps commit > 1.7 tokens.

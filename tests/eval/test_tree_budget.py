@@ -8,20 +8,14 @@ from eval.config import RuntimeConfig
 from eval.drafters import Candidates
 from eval.drafters.eagle import EagleDrafter, greedy_accepted, measure_tree_acceptance
 from eval.generate import plain_generate, speculative_generate
-from eval.model import LeanLlama
 from eval.calibrate import choose_tree_budget
 from eval.run import evaluate
-from heads.eagle import EagleConfig, EagleHead, init_from_target
-from tests.tiny import tiny_target
+from tests.tiny import tiny_eagle_setup
 
 
 @pytest.fixture(scope="module")
 def setup():
-    torch.manual_seed(0)
-    target = tiny_target()
-    lean = LeanLlama.from_hf(target.model, max_seq_len=256)
-    head = init_from_target(EagleHead(EagleConfig.from_target(target)), target, layer=-1, fc="feature").eval()
-    return target, lean, head
+    return tiny_eagle_setup()
 
 
 def prompts(count: int, length: int = 7):

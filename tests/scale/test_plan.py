@@ -118,8 +118,11 @@ def test_offline_eagle_training_counts_the_target_layers_loaded_beside_the_cache
 
     layer = LlamaDecoderLayer(tiny_llama_config(), layer_idx=0)
     assert decoder_layer_parameter_count(_tiny_arch()) == sum(p.numel() for p in layer.parameters())
-    plan = make_plan(compose_job(["+recipe=eagle_llama3_70b"]), cache_dir="/")
+    plan = make_plan(compose_job(["+recipe=eagle_llama3_70b", "heads.eagle.init_layer=-1"]), cache_dir="/")
     layers = next(item for item in plan.training if item.name == "target decoder layers")
     assert layers.gigabytes == pytest.approx(2 * 0.856e9 * 2 / 1e9, rel=0.01)  # layers 0 and 79 in bf16
+    plan = make_plan(compose_job(["+recipe=eagle_llama3_70b"]), cache_dir="/")  # random init: layer 0 only
+    layers = next(item for item in plan.training if item.name == "target decoder layers")
+    assert layers.gigabytes == pytest.approx(0.856e9 * 2 / 1e9, rel=0.01)
     medusa = make_plan(compose_job(["+recipe=medusa_vicuna_7b", "data.mode=offline"]), cache_dir="/")
     assert not any(item.name == "target decoder layers" for item in medusa.training)
