@@ -26,21 +26,31 @@ CALIBRATION_PROMPTS = 4
 
 
 @torch.no_grad()
-def verify_costs(lean: LeanLlama, prompt: torch.Tensor, sizes: Sequence[int], repeats: int = 3) -> dict[int, float]:
-    """Median seconds of one target forward over n new tokens after `prompt`, for each n in sizes."""
+def verify_costs(lean: LeanLlama, prompt: torch.Tensor, sizes: Sequence[int], repeats: int = 5) -> dict[int, float]:
+    """Seconds of one target forward over n new tokens after `prompt`, for each n in sizes: the
+    median of `repeats` rounds that time every size in turn (load drift hits all sizes alike),
+    made non-decreasing in n (`monotone_costs`)."""
     cache = lean.new_cache(prompt.shape[0] + max(sizes) + 1)
     lean(prompt, cache, logits="none")
     cache.commit()
-    costs = {}
-    for n in sizes:
-        times = []
-        for _ in range(repeats):
+    times: dict[int, list[float]] = {n: [] for n in sizes}
+    for _ in range(repeats):
+        for n in sizes:
             start = time.perf_counter()
             lean(prompt[:1].repeat(n), cache)
-            times.append(time.perf_counter() - start)
+            times[n].append(time.perf_counter() - start)
             cache.truncate(cache.length)
-        costs[n] = sorted(times)[len(times) // 2]
-    return costs
+    return monotone_costs({n: sorted(t)[len(t) // 2] for n, t in times.items()})
+
+
+def monotone_costs(costs: dict[int, float]) -> dict[int, float]:
+    """A forward over more tokens never costs less: each size gets the largest cost measured at or
+    below it, so a noisy cheap reading at a large size cannot pick that size."""
+    out, running = {}, 0.0
+    for n in sorted(costs):
+        running = max(running, costs[n])
+        out[n] = running
+    return out
 
 
 def _greedy_sequences(lean: LeanLlama, prompts, max_new_tokens: int, eos) -> tuple[list[torch.Tensor], list[int]]:

@@ -8,7 +8,7 @@ from eval.config import RuntimeConfig
 from eval.drafters import Candidates
 from eval.drafters.eagle import EagleDrafter, greedy_accepted, measure_tree_acceptance
 from eval.generate import plain_generate, speculative_generate
-from eval.calibrate import choose_tree_budget
+from eval.calibrate import choose_tree_budget, monotone_costs, verify_costs
 from eval.run import evaluate
 from tests.tiny import tiny_eagle_setup
 
@@ -92,3 +92,13 @@ def test_evaluate_with_auto_tree_size_and_fallback(setup, tmp_path):
     with pytest.raises(ValueError, match="tree_total_tokens"):
         evaluate(target, [prompts(1)[0].tolist()], ["eagle_tree"], RuntimeConfig(tree_total_tokens="big"), head=head,
                  out_dir=tmp_path, progress=False)
+
+
+def test_verification_costs_never_fall_with_more_tokens(setup):
+    # a noisy cheap reading at 8 tokens (seen on the shared CPU) must not make 8 look cheaper than 2
+    assert monotone_costs({1: 1.0, 2: 1.32, 4: 1.39, 8: 1.24, 3: 1.38}) == {1: 1.0, 2: 1.32, 3: 1.38, 4: 1.39, 8: 1.39}
+    choice, _ = choose_tree_budget(monotone_costs({1: 1.0, 2: 1.3, 8: 1.1}), {2: 0.35, 8: 0.45}, {2: 0.1, 8: 0.3})
+    assert choice == 2  # with the raw readings 8 would win: 1.45 / 1.4 > 1.35 / 1.4
+    _, lean, _ = setup
+    costs = verify_costs(lean, torch.arange(3, 10), (1, 2, 4), repeats=2)
+    assert list(costs) == [1, 2, 4] and costs[1] <= costs[2] <= costs[4]
