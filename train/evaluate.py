@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from train.losses import eagle_position_mask, medusa_position_mask
+from train.losses import chain_attention_mask, eagle_position_mask, medusa_position_mask, shift_left
 from train.objectives import FrozenParts
 
 
@@ -61,15 +61,10 @@ def eagle_unroll(head: nn.Module, parts: FrozenParts, ids: torch.Tensor, feature
     B, T = ids.shape
     n = T - 1
     positions = torch.arange(n, device=ids.device).expand(B, n)
-    causal = torch.ones(n, n, dtype=torch.bool, device=ids.device).tril()
-    diagonal = torch.eye(n, dtype=torch.bool, device=ids.device)
-    inputs, past, mask, outputs = features[:, :-1], None, None, []
+    inputs, past, outputs = features[:, :-1], None, []
     for j in range(min(steps, n)):
-        token_ids = torch.zeros_like(ids[:, 1:])  # (B, n): x_{t+1+j}, zeros past the end
-        token_ids[:, : n - j] = ids[:, 1 + j:]
-        embeds = parts.embed(token_ids).to(inputs.dtype)
-        if j > 0:  # chain t sees the true context (<= t) and its own entries of steps 1..j
-            mask = torch.cat([causal] + [diagonal] * j, dim=1)[None, None]  # (1, 1, n, n*(j+1))
+        embeds = parts.embed(shift_left(ids[:, 1:], j)).to(inputs.dtype)  # x_{t+1+j}, zeros past the end
+        mask = chain_attention_mask(n, j, ids.device)
         predicted, past = head(embeds, inputs, positions + j, attention_mask=mask, past_key_values=past,
                                use_cache=True)
         outputs.append(predicted)
@@ -83,16 +78,12 @@ def eagle_eval_counts(head: nn.Module, parts: FrozenParts, batch: dict, features
     """(steps, 3) float counts of [top-1 hits, top-5 hits, positions] for one batch. `truths`: a
     list kept by the caller between evaluations of the same batch (the target's greedy tokens)."""
     ids = batch["input_ids"]  # (B, T)
-    n = ids.shape[1] - 1
     counts = torch.zeros(steps, 3, device=ids.device)
     base_mask = eagle_position_mask(batch["loss_mask"], batch["attention_mask"])  # (B, n)
     for j, predicted in enumerate(eagle_unroll(head, parts, ids, features, steps)):
-        valid = torch.zeros_like(base_mask)  # chain t at step j predicts the token after position t+1+j
-        valid[:, : n - j] = base_mask[:, j:]
+        valid = shift_left(base_mask, j)  # chain t at step j predicts the token after position t+1+j
         if truths is None or len(truths) <= j:
-            truth_features = torch.zeros_like(features[:, 1:])  # f_{t+1+j}
-            truth_features[:, : n - j] = features[:, 1 + j:]
-            truth = _greedy(truth_features[valid], parts.lm_head_weight)
+            truth = _greedy(shift_left(features[:, 1:], j)[valid], parts.lm_head_weight)  # argmax at f_{t+1+j}
             if truths is not None:
                 truths.append(truth)
         else:

@@ -33,6 +33,25 @@ def eagle_position_mask(loss_mask: torch.Tensor, attention_mask: torch.Tensor | 
     return out
 
 
+def shift_left(x: torch.Tensor, j: int) -> torch.Tensor:
+    """x (B, n, ...) -> (B, n, ...) with entry t = x[:, t + j], zeros past the end: what chain t
+    reads or is scored against at unrolled step j."""
+    out = torch.zeros_like(x)
+    out[:, : x.shape[1] - j] = x[:, j:]
+    return out
+
+
+def chain_attention_mask(n: int, step: int, device) -> torch.Tensor | None:
+    """Bool (1, 1, n, n*(step+1)) mask for unrolled step `step` of n chains at once: chain t sees
+    the true context (step-0 entries <= t) and its own entries of steps 1..step; None (causal) at
+    step 0."""
+    if step == 0:
+        return None
+    causal = torch.ones(n, n, dtype=torch.bool, device=device).tril()
+    diagonal = torch.eye(n, dtype=torch.bool, device=device)
+    return torch.cat([causal] + [diagonal] * step, dim=1)[None, None]
+
+
 def medusa_position_mask(loss_mask: torch.Tensor, k: int, attention_mask: torch.Tensor | None = None):
     """bool (B, T): position t counts for head k iff x_{t+k+2} is a (real) assistant token."""
     mask = loss_mask.bool()

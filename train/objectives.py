@@ -15,7 +15,8 @@ from torch import nn
 
 from heads.config import EagleOptions, MedusaOptions
 from train.losses import (
-    add_uniform_noise, eagle_loss, eagle_position_mask, medusa_loss, medusa_position_mask,
+    add_uniform_noise, chain_attention_mask, eagle_loss, eagle_position_mask, medusa_loss, medusa_position_mask,
+    shift_left,
 )
 
 
@@ -132,20 +133,14 @@ def eagle_step(head: nn.Module, parts: FrozenParts, batch: dict, features: torch
     inputs = add_uniform_noise(features[:, :-1], options.input_noise)  # (B, n, D) f_t
     positions = torch.arange(n, device=ids.device).expand(B, n)
     steps = max(1, min(options.train_steps, n))
-    past, mask, out, total = None, None, {}, 0.0
+    past, out, total = None, {}, 0.0
     for j in range(steps):
-        tokens = torch.zeros_like(ids[:, 1:])  # (B, n) x_{t+1+j}
-        tokens[:, : n - j] = ids[:, 1 + j:]
-        if j > 0:  # chain t: the true context (<= t) and its own entries of steps 1..j
-            causal = torch.ones(n, n, dtype=torch.bool, device=ids.device).tril()
-            diagonal = torch.eye(n, dtype=torch.bool, device=ids.device)
-            mask = torch.cat([causal] + [diagonal] * j, dim=1)[None, None]  # (1, 1, n, n(j+1))
-        predicted, past = head(parts.embed(tokens).to(inputs.dtype), inputs, positions + j, attention_mask=mask,
-                               past_key_values=past, use_cache=steps > 1)  # (B, n, D) f̂_{t+1+j}
-        valid = torch.zeros_like(base)
-        valid[:, : n - j] = base[:, j:]
-        truth = torch.zeros_like(features[:, 1:])  # f_{t+1+j}
-        truth[:, : n - j] = features[:, 1 + j:]
+        tokens = shift_left(ids[:, 1:], j)  # (B, n) x_{t+1+j}
+        predicted, past = head(parts.embed(tokens).to(inputs.dtype), inputs, positions + j,
+                               attention_mask=chain_attention_mask(n, j, ids.device), past_key_values=past,
+                               use_cache=steps > 1)  # (B, n, D) f̂_{t+1+j}
+        valid = shift_left(base, j)
+        truth = shift_left(features[:, 1:], j)  # f_{t+1+j}
         step = eagle_loss(predicted[valid], truth[valid], None, parts.loss_weight, options.feature_loss_weight,
                           options.logit_loss_weight, chunk_size)
         total = total + options.unroll_loss_decay**j * step["loss"]

@@ -217,19 +217,18 @@ def _evaluate(job: JobConfig, target: FrozenTarget, head, head_config, run_dir: 
     wanted = [d for d in runtime.drafters if not d.startswith(("eagle", "medusa")) or d.startswith(kind)]
     report = evaluate(target, [p["prompt_ids"] for p in prompts[: runtime.num_prompts]], wanted, runtime,
                       head=head, head_config=head_config, out_dir=run_dir / "eval",
-                      draft_vocab=_draft_vocab(runtime, prepared))
+                      draft_vocab=_draft_vocab(runtime, prepared, target.vocab_size))
     return report
 
 
-def _draft_vocab(runtime, prepared):
+def _draft_vocab(runtime, prepared, vocab_size: int):
     """The most frequent tokens of the training replies: drafting over them instead of the full
     vocabulary cuts the draft's lm_head cost (runtime.draft_vocab_size; 0 = full vocabulary)."""
     if not runtime.draft_vocab_size or prepared is None:
         return None
-    from eval.run import frequent_token_ids
+    from train.objectives import frequent_reply_tokens  # the same rows as the training loss vocabulary
 
-    replies = [[t for t, m in zip(row["input_ids"], row["loss_mask"]) if m] for row in prepared.train]
-    return frequent_token_ids(replies, runtime.draft_vocab_size)
+    return frequent_reply_tokens(prepared.train, runtime.draft_vocab_size, vocab_size)
 
 
 def _earlier_summary(run_dir: Path) -> dict:
