@@ -13,7 +13,7 @@ class RegenerateConfig:
     enabled: bool = False
     temperature: float = 0.0
     max_new_tokens: int = 256
-    batch_size: int = 8
+    batch_size: int = 32  # > 1: transformers' batched generate; 1: the lean runtime, one prompt at a time
     shard_size: int = 256
     output_dir: str | None = None  # default: <run_dir>/regenerated
 

@@ -64,7 +64,9 @@ def shard_name(index: int) -> str:
 
 
 def _regenerate_batch(records: list[dict], tokenizer, generate_fn: GenerateFn, config: RegenerateConfig,
-                      max_prompt_tokens: int) -> list[dict]:
+                      max_prompt_tokens: int, on_replies: Callable[[int], None] = lambda n: None) -> list[dict]:
+    """Regenerate a shard's records turn by turn; each round's prompts go to `generate_fn` in
+    batches of config.batch_size, sorted by length. on_replies(n): n replies written."""
     conversations = [[dict(m) for m in r["messages"]] for r in records]
     cut = [len(c) for c in conversations]  # conversations end here (a prompt grew too long)
     position = [0] * len(records)
@@ -88,11 +90,15 @@ def _regenerate_batch(records: list[dict], tokenizer, generate_fn: GenerateFn, c
                 continue
             prompts.append(prompt)
             asked.append(b)
+        # Similar lengths side by side: a left-padded batch computes every row to its longest prompt.
+        order = sorted(range(len(prompts)), key=lambda j: len(prompts[j]))
+        prompts, asked = [prompts[j] for j in order], [asked[j] for j in order]
         for start in range(0, len(prompts), config.batch_size):
             replies = generate_fn(prompts[start:start + config.batch_size], config.max_new_tokens, config.temperature)
             for b, reply in zip(asked[start:start + config.batch_size], replies):
                 conversations[b][position[b]]["content"] = tokenizer.decode(reply, skip_special_tokens=True).strip()
                 position[b] += 1
+            on_replies(len(replies))
     out = []
     for record, messages, end in zip(records, conversations, cut):
         kept = messages[:end]
@@ -119,21 +125,21 @@ def regenerate(records: Sequence[dict], tokenizer, generate_fn: GenerateFn, outp
     size = config.shard_size
     shards = range(rank, -(-len(records) // size), world_size)
     missing = [s for s in shards if not (output_dir / shard_name(s)).is_file()]
-    todo = sum(len(records[s * size:(s + 1) * size]) for s in missing)
-    log.info("regenerate: %d of %d shard(s) to write on rank %d (%d conversations), temperature %g, "
-             "max %d new tokens", len(missing), len(shards), rank, todo, config.temperature, config.max_new_tokens)
-    bar = tqdm(total=todo, desc=f"regenerate rank {rank}", unit="conv", disable=not progress)
+    turns = {s: sum(m["role"] == "assistant" for r in records[s * size:(s + 1) * size] for m in r["messages"])
+             for s in missing}
+    log.info("regenerate: %d of %d shard(s) to write on rank %d (%d assistant turns), temperature %g, "
+             "max %d new tokens", len(missing), len(shards), rank, sum(turns.values()), config.temperature,
+             config.max_new_tokens)
+    bar = tqdm(total=sum(turns.values()), desc=f"regenerate rank {rank}", unit="reply", disable=not progress)
     written = []
     try:
         for s in missing:
             torch.manual_seed(seed + s)
-            chunk = records[s * size:(s + 1) * size]
-            lines = []
-            for start in range(0, len(chunk), config.batch_size):
-                batch = chunk[start:start + config.batch_size]
-                lines += [json.dumps(r, ensure_ascii=False) for r in
-                          _regenerate_batch(batch, tokenizer, generate_fn, config, max_prompt_tokens)]
-                bar.update(len(batch))
+            done = bar.n
+            rows = _regenerate_batch(records[s * size:(s + 1) * size], tokenizer, generate_fn, config,
+                                     max_prompt_tokens, bar.update)
+            bar.update(turns[s] - (bar.n - done))  # turns cut for length count as done
+            lines = [json.dumps(r, ensure_ascii=False) for r in rows]
             tmp = output_dir / f".{shard_name(s)}.tmp-{os.getpid()}"
             tmp.write_text("".join(line + "\n" for line in lines), encoding="utf-8")
             os.replace(tmp, output_dir / shard_name(s))

@@ -84,3 +84,23 @@ def test_ranks_split_shards_and_long_prompts_cut_the_conversation(tmp_path):
     cut = _read(tmp_path / shard_name(1))[0]["conversations"]
     assert [t["from"] for t in cut] == ["human", "gpt"]  # the second turn's prompt exceeds 20 tokens
     assert len(_read(merge_shards(tmp_path, 3, 1))) == 3
+
+
+def test_batches_sorted_by_prompt_length_keep_each_reply_with_its_conversation(tmp_path):
+    """Prompts are batched by length; every reply must still land in the conversation that asked."""
+    tokenizer = ToyTokenizer()
+    records = [{"id": f"c{i}", "messages": [{"role": "user", "content": "x" * (9 - i)},
+                                            {"role": "assistant", "content": "old"}]} for i in range(6)]
+    batches = []
+
+    def echo_length(prompts, max_new_tokens, temperature):  # the reply spells its prompt's length
+        batches.append([len(p) for p in prompts])
+        return [[3 + len(p)] for p in prompts]
+
+    config = RegenerateConfig(batch_size=4, shard_size=8, max_new_tokens=2)
+    regenerate(records, tokenizer, echo_length, tmp_path, config, progress=False)
+    assert batches[0] == sorted(batches[0]) and max(batches[0]) <= min(batches[1])
+    for record, written in zip(records, _read(tmp_path / shard_name(0))):
+        prompt = tokenizer(tokenizer.apply_chat_template(record["messages"][:1], add_generation_prompt=True))
+        assert written["id"] == record["id"]
+        assert written["conversations"][1]["value"] == tokenizer.decode([3 + len(prompt["input_ids"])])

@@ -75,9 +75,11 @@ def test_job_runs_every_stage(tiny_chat_model, tmp_path):
 
 
 @pytest.mark.integration
-def test_self_distilled_offline_job(tiny_chat_model, tmp_path):
-    """regenerate (lean runtime) -> data on the regenerated set -> offline feature cache -> train."""
+@pytest.mark.parametrize("batch_size", [1, 4])  # 1: the lean runtime; 4: transformers' batched generate
+def test_self_distilled_offline_job(tiny_chat_model, tmp_path, batch_size):
+    """regenerate -> data on the regenerated set -> offline feature cache -> train."""
     job = tiny_job(tiny_chat_model, tmp_path, "run", 2, "data.regenerate.enabled=true",
+                   f"data.regenerate.batch_size={batch_size}",
                    "data.regenerate.max_new_tokens=5", "data.regenerate.shard_size=4", "data.mode=offline",
                    "data.feature_cache_dtype=float32", "stages=[data,train]", records="8")
     summary = run_job(job)
