@@ -15,6 +15,9 @@ class RegenerateConfig:
     max_new_tokens: int = 256
     batch_size: int = 32  # > 1: transformers' batched generate; 1: the lean runtime, one prompt at a time
     shard_size: int = 256
+    # keep each conversation up to its N-th assistant turn (None: all): later turns carry long
+    # prompts, which cost most of the generation time for few new tokens
+    max_turns: int | None = None
     output_dir: str | None = None  # default: <run_dir>/regenerated
 
 

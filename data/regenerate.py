@@ -63,12 +63,22 @@ def shard_name(index: int) -> str:
     return f"regenerated-{index:05d}.jsonl"
 
 
+def _turn_limit(messages: list[dict], max_turns: int | None) -> int:
+    """Length of the conversation kept: everything up to its max_turns-th assistant turn."""
+    seen = 0
+    for i, message in enumerate(messages):
+        seen += message["role"] == "assistant"
+        if max_turns is not None and seen == max_turns:
+            return i + 1
+    return len(messages)
+
+
 def _regenerate_batch(records: list[dict], tokenizer, generate_fn: GenerateFn, config: RegenerateConfig,
                       max_prompt_tokens: int, on_replies: Callable[[int], None] = lambda n: None) -> list[dict]:
     """Regenerate a shard's records turn by turn; each round's prompts go to `generate_fn` in
     batches of config.batch_size, sorted by length. on_replies(n): n replies written."""
     conversations = [[dict(m) for m in r["messages"]] for r in records]
-    cut = [len(c) for c in conversations]  # conversations end here (a prompt grew too long)
+    cut = [_turn_limit(c, config.max_turns) for c in conversations]  # conversations end here
     position = [0] * len(records)
     while True:
         pending = []
@@ -125,8 +135,8 @@ def regenerate(records: Sequence[dict], tokenizer, generate_fn: GenerateFn, outp
     size = config.shard_size
     shards = range(rank, -(-len(records) // size), world_size)
     missing = [s for s in shards if not (output_dir / shard_name(s)).is_file()]
-    turns = {s: sum(m["role"] == "assistant" for r in records[s * size:(s + 1) * size] for m in r["messages"])
-             for s in missing}
+    turns = {s: sum(m["role"] == "assistant" for r in records[s * size:(s + 1) * size]
+                    for m in r["messages"][:_turn_limit(r["messages"], config.max_turns)]) for s in missing}
     log.info("regenerate: %d of %d shard(s) to write on rank %d (%d assistant turns), temperature %g, "
              "max %d new tokens", len(missing), len(shards), rank, sum(turns.values()), config.temperature,
              config.max_new_tokens)

@@ -104,3 +104,17 @@ def test_batches_sorted_by_prompt_length_keep_each_reply_with_its_conversation(t
         prompt = tokenizer(tokenizer.apply_chat_template(record["messages"][:1], add_generation_prompt=True))
         assert written["id"] == record["id"]
         assert written["conversations"][1]["value"] == tokenizer.decode([3 + len(prompt["input_ids"])])
+
+
+def test_max_turns_keeps_the_first_exchanges_only(tmp_path):
+    calls = []
+
+    def generate(prompts, max_new_tokens, temperature):
+        calls.append(len(prompts))
+        return [[3 + 1] for _ in prompts]
+
+    config = RegenerateConfig(batch_size=8, shard_size=8, max_new_tokens=2, max_turns=1)
+    regenerate(_records(3), ToyTokenizer(), generate, tmp_path, config, progress=False)
+    rows = _read(tmp_path / shard_name(0))
+    assert calls == [3]  # one round: the second turns are never generated
+    assert [[m["from"] for m in r["conversations"]] for r in rows] == [["human", "gpt"]] * 3

@@ -86,7 +86,7 @@ def test_only_a_finished_cache_without_target_stages_loads_parts(tmp_path):
 
 
 def job_overrides(tmp_path) -> list[str]:
-    return ["data.mode=offline", f"trainer.output_dir={tmp_path}", "stages=[data,train]"]
+    return ["data.mode=offline", "data.regenerate.enabled=false", f"trainer.output_dir={tmp_path}", "stages=[data,train]"]
 
 
 def _loss_curve(run_dir):

@@ -38,6 +38,7 @@ def tiny_job(model_dir, tmp_path, run: str, steps: int, *extra: str, records: st
     return compose_job([
         f"model.name_or_path={model_dir}", *(f"model.arch.{key}=null" for key in ARCH_KEYS),
         f"data.source={model_dir / 'data.jsonl'}", f"data.max_records={records}", "data.eval_fraction=0.25",
+        "data.regenerate.enabled=false",  # the default job's self-distillation: on where a test asks
         f"data.cache_dir={tmp_path / 'cache'}", f"trainer.output_dir={tmp_path / run}",
         f"trainer.max_steps={steps}", f"trainer.eval_every={steps}", f"trainer.save_every={steps}",
         "trainer.eval_batches=1", "trainer.max_minutes=null", "logger=none", *extra])
