@@ -153,3 +153,31 @@ def test_merged_features_span_every_token_since_the_last_proposal():
         drafter.propose(state)
         drafter.accept(state, [])
     assert seen == [[0.0, 1.0], [2.0, 3.0, 4.0]]
+
+
+def test_steps_that_catch_up_after_plain_steps_are_not_timed_as_typical():
+    """A probe after gate-off steps also feeds the drafter every feature since its last proposal;
+    its time must not become the cost of a speculative step (that kept speculation off)."""
+
+    class Drafter:
+        feature_layers = (2,)
+
+        def reset(self, prompt):
+            pass
+
+        def propose(self, state):
+            return Candidates.chain([1])
+
+        def accept(self, state, accepted):
+            pass
+
+    script = Script([True, True, False, False, True, True])
+    drafter = FallbackDrafter(Drafter(), script, Ticks())
+    drafter.reset(torch.tensor([0]))
+    for step in range(6):
+        state = DraftState(torch.zeros(3, dtype=torch.long), 2, {2: torch.zeros(1, 1)}, 2, SamplingConfig(), step=step)
+        drafter.propose(state)
+        drafter.accept(state, [])
+    # fresh sequence (untimed), typical, [plain, plain], catching up (untimed), typical
+    assert [seconds for _, seconds in script.speculative] == [None, 1.0, None, 1.0]
+    assert script.plain == 2
