@@ -80,3 +80,16 @@ def test_impossible_values_name_the_key(override, key):
 def test_validate_is_cheap_and_pure():
     job = JobConfig()
     assert validate_job(job) is job
+
+
+@pytest.mark.parametrize("recipe", ["eagle_smollm2_135m", "eagle_smollm2_135m_long"])
+def test_self_distilled_training_never_sees_the_prompts_python_m_eval_holds_out(recipe):
+    """Regeneration reads the first N conversations of ShareGPT, held-out ones included; the split
+    is a hash threshold on the conversation id, so a training set split at a fraction at least
+    `python -m eval`'s (same seed) keeps every prompt it measures on out of training."""
+    from eval.__main__ import compose_eval
+
+    job, measured = compose_job([f"+recipe={recipe}"]), compose_eval([])
+    assert job.data.regenerate.enabled and job.data.source == measured.data.source
+    assert job.data.eval_fraction >= measured.data.eval_fraction
+    assert job.data.split_seed == measured.data.split_seed
