@@ -146,14 +146,13 @@ def regenerate(records: Sequence[dict], tokenizer, generate_fn: GenerateFn, outp
         for s in missing:
             torch.manual_seed(seed + s)
             done = bar.n
-            rows = _regenerate_batch(records[s * size:(s + 1) * size], tokenizer, generate_fn, config,
-                                     max_prompt_tokens, bar.update)
+            shard = records[s * size:(s + 1) * size]
+            rows = _regenerate_batch(shard, tokenizer, generate_fn, config, max_prompt_tokens, bar.update)
             bar.update(turns[s] - (bar.n - done))  # turns cut for length count as done
-            chunk = len(records[s * size:(s + 1) * size])
-            if len(rows) < chunk:
+            if len(rows) < len(shard):
                 log.info("regenerate: shard %d keeps %d of %d conversations; the others have no reply left "
                          "(a first prompt longer than %d - %d new tokens, or a template mismatch)",
-                         s, len(rows), chunk, max_prompt_tokens, config.max_new_tokens)
+                         s, len(rows), len(shard), max_prompt_tokens, config.max_new_tokens)
             lines = [json.dumps(r, ensure_ascii=False) for r in rows]
             tmp = output_dir / f".{shard_name(s)}.tmp-{os.getpid()}"
             tmp.write_text("".join(line + "\n" for line in lines), encoding="utf-8")
