@@ -26,6 +26,7 @@ from eval.report import write_report
 from eval.sampling import SamplingConfig
 from heads.eagle import EagleHead
 from heads.medusa import MedusaHeads
+from heads.vocab import most_frequent_ids
 
 log = logging.getLogger(__name__)
 
@@ -76,8 +77,7 @@ def frequent_token_ids(token_lists: Sequence[Sequence[int]], size: int) -> torch
     """(size,) the most frequent token ids of `token_lists` (e.g. training replies), ties by id:
     a draft vocabulary for EAGLE and Medusa drafters."""
     counts = torch.bincount(torch.tensor([t for tokens in token_lists for t in tokens], dtype=torch.long))
-    order = sorted(range(counts.shape[0]), key=lambda i: (-int(counts[i]), i))
-    return torch.tensor(sorted(order[:size]), dtype=torch.long)
+    return most_frequent_ids(counts, size)
 
 
 def _draft_cost(lean: LeanLlama, layers: int) -> float:

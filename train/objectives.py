@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from heads.config import EagleOptions, MedusaOptions
+from heads.vocab import most_frequent_ids
 from train.losses import (
     add_uniform_noise, chain_attention_mask, eagle_loss, eagle_position_mask, medusa_loss, medusa_position_mask,
     shift_left,
@@ -92,8 +93,7 @@ def frequent_reply_tokens(rows, size: int, vocab_size: int) -> torch.Tensor:
     for row in rows:
         ids, mask = torch.as_tensor(row["input_ids"]), torch.as_tensor(row["loss_mask"]).bool()
         counts += torch.bincount(ids[mask], minlength=vocab_size)[:vocab_size]
-    order = torch.sort(-counts, stable=True).indices  # by count, then by id
-    return order[: min(size, vocab_size)].sort().values
+    return most_frequent_ids(counts, size)
 
 
 @torch.no_grad()
