@@ -5,10 +5,11 @@ final post-norm hidden state at t; its output f̂_{t+1} gives logits for x_{t+2}
 lm_head. With T committed tokens (root x_{T-1}), the first draft x_T comes from the head's output at
 position T-2, and a draft at tree depth d is fed at position T-2+d with its parent's f̂.
 
-The head keeps its own KV cache of committed positions 0..T-2, always computed from the target's
-true features: each `propose` first feeds the positions that entered the target's cache in the last
-verification (root + accepted path) with their target features, then drafts; draft entries never
-enter the committed cache, so after any number of steps it equals a fresh recompute.
+The head runs as `LeanEagleHead` (preallocated K/V, fused and transposed weights) and keeps its own
+KV cache of committed positions 0..T-2, always computed from the target's true features: each
+`propose` first feeds the positions that entered the target's cache in the last verification (root
++ accepted path) with their target features, then drafts; draft entries never enter the committed
+cache, so after any number of steps it equals a fresh recompute.
 
 `draft_vocab` (optional, (Vd,) token ids, e.g. the most frequent tokens of the training replies)
 restricts the draft's vocabulary projection to those rows: on a CPU the full lm_head read dominates a
@@ -27,6 +28,7 @@ from typing import Sequence
 import torch
 
 from eval.drafters import Candidates, DraftState
+from eval.drafters.lean_head import LeanEagleHead
 from eval.model import LeanLlama, Linear
 from eval.sampling import SamplingConfig, probabilities, sample
 from heads.eagle import EagleHead
@@ -50,7 +52,7 @@ class EagleDrafter:
         self.head, self.target = head.eval(), target
         self.mode, self.depth, self.top_k, self.total_tokens = mode, depth, top_k, total_tokens
         self.dtype = next(head.parameters()).dtype
-        self.past: tuple[torch.Tensor, torch.Tensor] | None = None  # (k, v) each (1, nKV, C, hd)
+        self.runtime = LeanEagleHead(head, capacity=target.config.max_seq_len)
         self.catch_up_output: torch.Tensor | None = None
         self.vocab = None if draft_vocab is None else torch.as_tensor(draft_vocab, dtype=torch.long)
         if self.vocab is None:
@@ -60,10 +62,15 @@ class EagleDrafter:
 
     @property
     def cache_length(self) -> int:
-        return 0 if self.past is None else int(self.past[0].shape[2])
+        return self.runtime.length
+
+    @property
+    def past(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The committed head cache (k, v), each (1, nKV, C, hd), as `EagleHead` lays out its past."""
+        return self.runtime.committed_kv
 
     def reset(self, prompt: torch.Tensor) -> None:
-        self.past = None
+        self.runtime.reset()
 
     def _embed(self, tokens: torch.Tensor) -> torch.Tensor:
         return self.target.embedding[tokens].to(self.dtype)
@@ -84,11 +91,8 @@ class EagleDrafter:
         start = length - 1 - count
         if start != self.cache_length:
             raise RuntimeError(f"eagle drafter: head cache holds {self.cache_length} positions, expected {start}")
-        embeds = self._embed(state.tokens[start + 1: length])[None]  # (1, A, D)
-        positions = torch.arange(start, length - 1)[None]
-        out, self.past = self.head(embeds, features.to(self.dtype)[None], positions,
-                                   past_key_values=self.past, use_cache=True)
-        self.catch_up_output = out[0, -1]  # (D,) f̂_{T-1}, kept for inspection
+        out = self.runtime.commit(self._embed(state.tokens[start + 1: length]), features)  # (A, D)
+        self.catch_up_output = out[-1]  # (D,) f̂_{T-1}, kept for inspection
         return self.catch_up_output
 
     @torch.no_grad()
@@ -103,7 +107,7 @@ class EagleDrafter:
 
     def _chain(self, state: DraftState, feature: torch.Tensor) -> Candidates:
         length = state.tokens.shape[0]
-        past, tokens, rows = self.past, [], []
+        tokens, rows = [], []
         for i in range(self.depth):
             logits = self._logits(feature[None])[0]  # (Vd,)
             if state.sampling.greedy:
@@ -116,10 +120,8 @@ class EagleDrafter:
                 rows.append(q)
             tokens.append(token)
             if i + 1 < self.depth:
-                embed = self._embed(torch.tensor([[token]]))  # (1, 1, D)
-                out, past = self.head(embed, feature[None, None], torch.tensor([[length - 1 + i]]),
-                                      past_key_values=past, use_cache=True)
-                feature = out[0, -1]
+                embed = self._embed(torch.tensor([token]))  # (1, D)
+                feature = self.runtime.draft(embed, feature[None], torch.tensor([length - 1 + i]))[0]
         greedy = state.sampling.greedy
         return Candidates.chain(tokens, None if greedy else torch.stack(rows), deterministic=greedy)
 
@@ -137,7 +139,6 @@ class EagleDrafter:
         node_slot: dict[int, int] = {}  # node -> index of its entry among the drafted head K/V
         frontier = list(range(top_k))
         frontier_features = feature.expand(top_k, -1)  # (n, D): each frontier node's parent's f̂
-        past = self.past
         for depth in range(2, min(self.depth, self.total_tokens - 1) + 1):  # deeper levels cannot be kept
             n, drafted = len(frontier), len(node_slot)
             mask = torch.zeros(n, committed + drafted + n, dtype=torch.bool)
@@ -149,11 +150,10 @@ class EagleDrafter:
                     parent = node_parents[parent]
                 mask[row, committed + drafted + row] = True
                 node_slot[node] = drafted + row
-            embeds = self._embed(torch.tensor([node_tokens[i] for i in frontier]))[None]  # (1, n, D)
-            positions = torch.full((1, n), length + depth - 3)
-            out, past = self.head(embeds, frontier_features[None], positions, attention_mask=mask[None, None],
-                                  past_key_values=past, use_cache=True)  # (1, n, D)
-            logp = torch.log_softmax(self._logits(out[0]), dim=-1)  # (n, Vd)
+            embeds = self._embed(torch.tensor([node_tokens[i] for i in frontier]))  # (n, D)
+            positions = torch.full((n,), length + depth - 3)
+            out = self.runtime.draft(embeds, frontier_features, positions, mask)  # (n, D)
+            logp = torch.log_softmax(self._logits(out), dim=-1)  # (n, Vd)
             child_scores, child_tokens = logp.topk(top_k, dim=-1)  # (n, K)
             child_tokens = self._token_ids(child_tokens)
             cumulative = torch.tensor([node_scores[i] for i in frontier])[:, None] + child_scores  # (n, K)
@@ -165,7 +165,7 @@ class EagleDrafter:
                 node_depths.extend([depth] * top_k)
             best = cumulative.flatten().topk(min(top_k, cumulative.numel())).indices  # (K,)
             frontier = [first + int(i) for i in best]
-            frontier_features = out[0][best // top_k]
+            frontier_features = out[best // top_k]
         return node_tokens, node_parents, node_scores, node_depths
 
 

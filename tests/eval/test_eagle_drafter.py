@@ -117,7 +117,7 @@ def test_draft_cache_equals_fresh_recompute(setup, mode):
     # Same draft logits from the incremental cache as from the fresh one.
     state = DraftState(sequence[: length + 1], length, {lean.config.num_layers: features[-1:]},
                        lean.config.num_layers, SamplingConfig())
-    drafter.past = (drafter.past[0][:, :, :-1], drafter.past[1][:, :, :-1])
+    drafter.runtime.truncate(length - 1)
     again = drafter.catch_up(state)
     torch.testing.assert_close(lean.lm_head(again[None]), lean.lm_head(fresh_out[0, -1:]), atol=1e-4, rtol=1e-4)
 
@@ -185,4 +185,7 @@ def test_tree_scores_equal_sequential_chain_log_probs(setup):
             out, past = warm_head(embed, feature[None, None], torch.tensor([[length - 1 + i]]), past_key_values=past,
                                   use_cache=True)
             feature = out[0, -1]
-        assert abs(total - score) < 1e-4, (node, total, score)
+        # fp32 rounding of the lean runtime's packed weights compounds along a 4-deep path (~3e-4
+        # here); a wrong mask, position or parent feature moves scores by far more. The runtime
+        # itself is pinned to EagleHead in float64 by tests/eval/test_lean_head.py.
+        assert abs(total - score) < 2e-3, (node, total, score)
