@@ -16,7 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from eval.attention import tree_attention
+from eval.attention import resolve_backend, tree_attention
+from eval.attention.reference import additive_mask
 from eval.kv_cache import KVCache
 
 
@@ -120,14 +121,14 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         return _rotate(q, cos, sin), _rotate(k, cos, sin), v
 
-    def forward(self, x, cos, sin, cache: KVCache, tree_mask, tree_bits) -> torch.Tensor:
+    def forward(self, x, cos, sin, cache: KVCache, tree_mask, tree_bits, bias=None) -> torch.Tensor:
         c = self.config
         n = x.shape[0]
         q, k, v = self._project(x, cos, sin)
         cache.write(self.layer, k.transpose(0, 1), v.transpose(0, 1))
         out = tree_attention(
             q.transpose(0, 1), cache.k[self.layer], cache.v[self.layer], cache.length, tree_mask,
-            tree_bits=tree_bits, backend=c.attention,
+            tree_bits=tree_bits, backend=c.attention, bias=bias,
         )  # (H, N, hd)
         return self.o_proj(out.transpose(0, 1).reshape(n, c.num_heads * c.head_dim))
 
@@ -165,8 +166,8 @@ class Block(nn.Module):
         self.attention, self.mlp = attention, mlp
         self.input_norm, self.post_norm = input_norm, post_norm
 
-    def forward(self, x, cos, sin, cache, tree_mask, tree_bits) -> torch.Tensor:
-        x = x + self.attention(self.input_norm(x), cos, sin, cache, tree_mask, tree_bits)
+    def forward(self, x, cos, sin, cache, tree_mask, tree_bits, bias=None) -> torch.Tensor:
+        x = x + self.attention(self.input_norm(x), cos, sin, cache, tree_mask, tree_bits, bias)
         return x + self.mlp(self.post_norm(x))
 
 
@@ -289,11 +290,14 @@ class LeanLlama(nn.Module):
         num_layers = self.config.num_layers
         wanted = {layer % (num_layers + 1) for layer in hidden_layers}
         hidden = {}
+        bias = None  # the reference attention's mask, built once for all layers
+        if n > 1 and cache.length > 0 and resolve_backend(self.config.attention, device) == "reference":
+            bias = additive_mask(cache.length, tree_mask, n, self.embedding.dtype, device)
         x = self.embedding[tokens]  # (N, D)
         for i, block in enumerate(self.blocks):
             if i in wanted:
                 hidden[i] = x
-            x = block(x, cos, sin, cache, tree_mask, tree_bits)
+            x = block(x, cos, sin, cache, tree_mask, tree_bits, bias)
         if num_layers in wanted:
             x = hidden[num_layers] = self.norm(x)
         else:

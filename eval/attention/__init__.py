@@ -29,12 +29,14 @@ def tree_attention(
     tree_mask: torch.Tensor | None,
     tree_bits: torch.Tensor | None = None,
     backend: str = "auto",
+    bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q: (H, N, hd); k, v: (Hkv, S, hd) with the prefix in [0, prefix_length) and the N new keys
     right after it. tree_mask: (N, N) bool or None (causal); tree_bits: (N,) int64 ancestor bitmask
-    of the same mask (computed when needed). Returns (H, N, hd)."""
+    of the same mask (computed when needed); bias: the reference path's additive form of the mask
+    (`reference.additive_mask`), precomputed once per forward (optional). Returns (H, N, hd)."""
     if resolve_backend(backend, q.device) == "reference" or q.shape[1] > 64:
-        return reference_tree_attention(q, k, v, prefix_length, tree_mask)
+        return reference_tree_attention(q, k, v, prefix_length, tree_mask, bias)
     from eval.attention.triton_kernel import triton_tree_attention
 
     if tree_bits is None:

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from eval.attention import mask_to_bits, resolve_backend, tree_attention
-from eval.attention.reference import reference_tree_attention
+from eval.attention.reference import additive_mask, reference_tree_attention
 from eval.tree import build_tree
 from tests.eval.test_tree import random_parents
 
@@ -30,6 +30,22 @@ def test_causal_default_equals_explicit_chain_mask():
     chain = torch.ones(6, 6, dtype=torch.bool).tril()
     torch.testing.assert_close(tree_attention(q, k, v, 5, None), reference_tree_attention(q, k, v, 5, chain))
     assert mask_to_bits(None, 3, torch.device("cpu")).tolist() == [1, 3, 7]
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_precomputed_additive_mask_equals_boolean_tree_mask(seed):
+    """The mask a forward builds once for all layers gives the same attention as the boolean tree
+    mask (random trees, GQA), and None still means a causal chain."""
+    rng = random.Random(seed)
+    n, prefix = rng.randint(2, 12), rng.randint(1, 20)
+    tree = build_tree(random_parents(n, rng))
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(4, n, 8, generator=g)
+    k, v = torch.randn(2, prefix + n + 3, 8, generator=g), torch.randn(2, prefix + n + 3, 8, generator=g)
+    for mask in (tree.mask, None):
+        bias = additive_mask(prefix, mask, n, torch.float32, q.device)
+        torch.testing.assert_close(reference_tree_attention(q, k, v, prefix, mask, bias),
+                                   reference_tree_attention(q, k, v, prefix, mask))
 
 
 def test_triton_kernel_matches_reference_under_interpreter():
