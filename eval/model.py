@@ -48,28 +48,40 @@ class ForwardOutput:
 
 
 class Linear(nn.Module):
-    """y = x @ W_t (+ b) with W_t (in, out) contiguous: the fastest one-row GEMV on the CPU.
+    """A frozen linear layer laid out for the fastest one-row GEMV on the CPU.
 
-    With `pack=True` (CPU, fp32, oneDNN available) the layer also keeps a oneDNN-blocked copy of
-    the weight for inputs of two or more rows: MKL's sgemm on `x @ W_t` costs 2-6x a GEMV for
-    2-16 rows, the prepacked oneDNN inner product ~1.6-2.7x (scripts/bench_decode.py). Costs a
-    second copy of the weights.
+    One row: `x @ W_t` with W_t (in, out) contiguous when in <= out (q|k|v, o, gate|up, lm_head:
+    ~2x faster than `F.linear`), and `F.linear(x, W)` with W (out, in) contiguous when in > out
+    (down_proj). With `pack=True` (CPU, fp32, oneDNN available) the layer also keeps a
+    oneDNN-blocked copy of the weight for inputs of two or more rows: MKL's sgemm costs 2-6x a
+    GEMV for 2-16 rows, the prepacked oneDNN inner product ~1.6-2.7x (scripts/bench_decode.py).
+    Costs a second copy of the weights.
     """
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, pack: bool = False):
         super().__init__()
-        self.weight_t = nn.Parameter(weight.detach().t().contiguous(), requires_grad=False)
+        weight = weight.detach()
+        self.row_major = weight.shape[1] > weight.shape[0]  # in > out
+        stored = weight.contiguous().clone() if self.row_major else weight.t().contiguous()
+        self.weight_stored = nn.Parameter(stored, requires_grad=False)
         self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
         self.packed = None
         if pack and _can_pack(weight):
-            self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), 8)
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), 8)
+
+    @property
+    def weight_t(self) -> torch.Tensor:
+        """(in, out): a view; contiguous unless the layer is row-major."""
+        return self.weight_stored.t() if self.row_major else self.weight_stored
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None and x.shape[0] > 1:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        if self.row_major:
+            return F.linear(x, self.weight_stored, self.bias)
         if self.bias is None:
-            return x @ self.weight_t
-        return torch.addmm(self.bias, x, self.weight_t)
+            return x @ self.weight_stored
+        return torch.addmm(self.bias, x, self.weight_stored)
 
 
 def _can_pack(weight: torch.Tensor) -> bool:
