@@ -64,10 +64,15 @@ def test_decayed_ratio_and_probe_schedule():
     assert DecayedRatio(prior_weight=0.0).value is None
     probe = ProbeSchedule(every=3)
     assert [probe.due() for _ in range(7)] == [False, False, True, False, False, True, False]
+    backoff = ProbeSchedule(every=8, first=2)  # probes after 2, then 4, then every 8 idle steps
+    due = [backoff.due() for _ in range(22)]
+    assert [i + 1 for i, d in enumerate(due) if d] == [2, 6, 14, 22]
+    backoff.reset()
+    assert [backoff.due() for _ in range(2)] == [False, True]
 
 
 def test_gate_switches_off_at_a_loss_probes_and_switches_back():
-    gate = SpeculationGate(plain_seconds=0.01, initial_tau=2.0, probe_every=4)
+    gate = SpeculationGate(plain_seconds=0.01, initial_tau=2.0, probe_every=4, probe_first=4)
     assert gate.speculate() and gate.cost is None  # no speculative step measured yet: try it
     for _ in range(20):  # 1.2 tokens per step at 2 plain steps each: a loss
         gate.record_speculative(1, 0.02)
@@ -77,8 +82,21 @@ def test_gate_switches_off_at_a_loss_probes_and_switches_back():
     for _ in range(20):  # drafts got good: 3 tokens per step at the same cost
         gate.record_speculative(3, 0.02)
     assert gate.pays() and all(gate.speculate() for _ in range(5))
+    # Off after a loss, the default gate probes after 2, 4, 8, 16, 16... plain steps, and once the
+    # drafts pay again it speculates and the backoff starts over.
+    backoff = SpeculationGate(plain_seconds=0.01, initial_tau=2.0, probe_every=16)
+    for _ in range(40):
+        backoff.record_speculative(1, 0.02)
+    decisions = [backoff.speculate() for _ in range(46)]
+    assert [i + 1 for i, d in enumerate(decisions) if d] == [2, 6, 14, 30, 46]
+    for _ in range(60):
+        backoff.record_speculative(3, 0.02)
+    assert backoff.speculate()
+    for _ in range(60):
+        backoff.record_speculative(1, 0.02)
+    assert [backoff.speculate() for _ in range(2)] == [False, True]
     never = SpeculationGate(plain_seconds=1.0)
-    for _ in range(50):  # no draft ever accepted, on a clock that says verifying is cheap
+    for _ in range(80):  # no draft ever accepted, on a clock that says verifying is cheap
         never.record_speculative(1, 0.5)
     assert never.cost == pytest.approx(0.5, abs=0.01) and not never.pays()
     with pytest.raises(ValueError):
@@ -89,7 +107,7 @@ def test_gate_switches_off_at_a_loss_probes_and_switches_back():
 def test_fallback_greedy_equals_plain_and_follows_acceptance(setup, right, wrong):
     lean, _ = setup
     speculated = []
-    gate = SpeculationGate(plain_seconds=1.0, probe_every=4)
+    gate = SpeculationGate(plain_seconds=1.0, probe_every=4, probe_first=4)
     for prompt in prompts(3):
         plain = plain_generate(lean, prompt, NEW_TOKENS).tokens
         clock = Ticks()
