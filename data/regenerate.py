@@ -8,13 +8,17 @@ generates for the conversation so far (with the earlier turns already regenerate
 Output: ShareGPT-style JSONL shards `regenerated-00000.jsonl` (`{"id", "conversations": [{"from",
 "value"}]}`), each written to a temporary name and renamed, so an interrupted run resumes at the
 first missing shard; rank r of W writes shards r, r+W, ...; `merge_shards` concatenates them into
-`regenerated.jsonl`, which `data.source` can point to.
+`regenerated.jsonl`, which `data.source` can point to. Each shard has a sidecar
+`regenerated-00000.jsonl.key` naming what it was made from (its records' ids and the generation
+settings); a shard whose key does not match the current job (more `max_records` than the run that
+wrote it, other settings) is written again instead of being reused.
 
 The generator is a callable so the caller can pass the fast runtime (eval.generate) without data/
 importing eval/; `hf_generate_fn` wraps transformers' `generate`.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -120,6 +124,29 @@ def _regenerate_batch(records: list[dict], tokenizer, generate_fn: GenerateFn, c
     return out
 
 
+def shard_key(records: Sequence[dict], config: RegenerateConfig, max_prompt_tokens: int, seed: int) -> str:
+    """What a shard is made from: its records' ids, in order, and every setting that changes the
+    replies (a digest, written beside the shard)."""
+    settings = {"temperature": config.temperature, "max_new_tokens": config.max_new_tokens,
+                "max_turns": config.max_turns, "max_prompt_tokens": max_prompt_tokens, "seed": seed}
+    payload = json.dumps({"ids": [str(r["id"]) for r in records], "settings": settings}, sort_keys=True)
+    return hashlib.sha256(payload.encode("utf-8")).hexdigest()[:32]
+
+
+def _shard_done(output_dir: Path, index: int, key: str) -> bool:
+    """A shard can be reused when it exists and its key matches (a shard from before keys existed
+    is reused as is)."""
+    shard = output_dir / shard_name(index)
+    if not shard.is_file():
+        return False
+    key_file = shard.with_name(shard.name + ".key")
+    if not key_file.is_file() or key_file.read_text(encoding="utf-8").strip() == key:
+        return True
+    log.warning("regenerate: %s was made from other records or settings than this job's; writing it again",
+                shard)
+    return False
+
+
 def regenerate(records: Sequence[dict], tokenizer, generate_fn: GenerateFn, output_dir: str | os.PathLike,
                config: RegenerateConfig, max_prompt_tokens: int = 2048, rank: int = 0, world_size: int = 1,
                seed: int = 0, progress: bool = True) -> dict:
@@ -134,7 +161,8 @@ def regenerate(records: Sequence[dict], tokenizer, generate_fn: GenerateFn, outp
     output_dir.mkdir(parents=True, exist_ok=True)
     size = config.shard_size
     shards = range(rank, -(-len(records) // size), world_size)
-    missing = [s for s in shards if not (output_dir / shard_name(s)).is_file()]
+    keys = {s: shard_key(records[s * size:(s + 1) * size], config, max_prompt_tokens, seed) for s in shards}
+    missing = [s for s in shards if not _shard_done(output_dir, s, keys[s])]
     turns = {s: sum(m["role"] == "assistant" for r in records[s * size:(s + 1) * size]
                     for m in r["messages"][:_turn_limit(r["messages"], config.max_turns)]) for s in missing}
     log.info("regenerate: %d of %d shard(s) to write on rank %d (%d assistant turns), temperature %g, "
@@ -156,7 +184,10 @@ def regenerate(records: Sequence[dict], tokenizer, generate_fn: GenerateFn, outp
             lines = [json.dumps(r, ensure_ascii=False) for r in rows]
             tmp = output_dir / f".{shard_name(s)}.tmp-{os.getpid()}"
             tmp.write_text("".join(line + "\n" for line in lines), encoding="utf-8")
-            os.replace(tmp, output_dir / shard_name(s))
+            key_tmp = output_dir / f".{shard_name(s)}.key.tmp-{os.getpid()}"
+            key_tmp.write_text(keys[s] + "\n", encoding="utf-8")
+            os.replace(key_tmp, output_dir / f"{shard_name(s)}.key")  # key first: a shard is never
+            os.replace(tmp, output_dir / shard_name(s))  # on disk beside a stale key
             written.append(s)
     finally:
         bar.close()

@@ -57,7 +57,7 @@ def test_interrupted_regeneration_resumes_to_the_same_output(tmp_path, temperatu
     crashing = Counting(generate, fail_after=5)  # 2 turns per batch: dies inside the third shard
     with pytest.raises(KeyboardInterrupt):
         regenerate(records, tokenizer, crashing, tmp_path / "resumed", config, progress=False)
-    assert sorted(p.name for p in (tmp_path / "resumed").glob("regenerated-*")) == [shard_name(0), shard_name(1)]
+    assert sorted(p.name for p in (tmp_path / "resumed").glob("regenerated-*.jsonl")) == [shard_name(0), shard_name(1)]
     with pytest.raises(FileNotFoundError, match=shard_name(2)):
         merge_shards(tmp_path / "resumed", len(records), config.shard_size)
     resumed = Counting(generate)
@@ -118,3 +118,23 @@ def test_max_turns_keeps_the_first_exchanges_only(tmp_path):
     rows = _read(tmp_path / shard_name(0))
     assert calls == [3]  # one round: the second turns are never generated
     assert [[m["from"] for m in r["conversations"]] for r in rows] == [["human", "gpt"]] * 3
+
+
+def test_a_shard_from_other_records_or_settings_is_written_again(tmp_path):
+    """Raising max_records turns the old last shard into a partial one (its records are a prefix
+    of the new shard's): it must be regenerated, not reused; so must shards made with other
+    settings. A shard without a key (written before keys existed) is reused as is."""
+    config = RegenerateConfig(enabled=True, max_new_tokens=4, batch_size=2, shard_size=2)
+    generate = hf_generate_fn(tiny_model(), pad_id=0, eos_ids=[2])
+    tokenizer, out = ToyTokenizer(), tmp_path / "regen"
+    assert regenerate(_records(3), tokenizer, generate, out, config, progress=False)["written"] == [0, 1]
+    grown = regenerate(_records(4), tokenizer, Counting(generate), out, config, progress=False)
+    assert grown["written"] == [1]  # shard 1 held c2 only; now c2 and c3
+    assert [r["id"] for r in _read(merge_shards(out, 4, 2))] == ["c0", "c1", "c2", "c3"]
+    counting = Counting(generate)
+    assert regenerate(_records(4), tokenizer, counting, out, config, progress=False)["written"] == []
+    assert counting.calls == 0
+    longer = RegenerateConfig(enabled=True, max_new_tokens=6, batch_size=2, shard_size=2)
+    assert regenerate(_records(4), tokenizer, generate, out, longer, progress=False)["written"] == [0, 1]
+    (out / (shard_name(0) + ".key")).unlink()
+    assert regenerate(_records(4), tokenizer, generate, out, config, progress=False)["written"] == [1]
