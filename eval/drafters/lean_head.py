@@ -112,8 +112,11 @@ class LeanEagleHead:
         self._reserve(end)
         if positions.numel() and int(positions.max()) >= self.cos.shape[0]:
             self._reserve(int(positions.max()) + 1)
+        positions = positions.to(self.device)
         if mask is None and n > 1:
             mask = torch.ones(n, end, dtype=torch.bool, device=self.device).tril_(start)
+        elif mask is not None:
+            mask = mask.to(self.device)  # drafters build tree masks on the host
         x = self.fc(torch.cat((embeds.to(self.dtype), features.to(self.dtype)), dim=-1))  # (n, D)
         qkv = self.qkv(x).view(n, H + 2 * Hkv, hd)
         cos, sin = self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)  # (n, 1, hd)
