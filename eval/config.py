@@ -34,7 +34,8 @@ class RuntimeConfig:
     seed: int = 0  # sampling generators (one per prompt, the same for every method)
     fuse_projections: bool = True  # lean forward: fused q|k|v and gate|up matmuls (LeanLlama.from_hf)
     # Never speculate at a loss: EAGLE, Medusa and prompt-lookup steps fall back to plain decoding while
-    # measured tokens per speculative step do not beat its measured cost in plain steps; probes every N steps.
+    # measured tokens per speculative step do not beat its measured cost in plain steps; probes after
+    # 2, 4, 8, ... plain steps, at most every fallback_probe_every.
     fallback: bool = False
     fallback_probe_every: int = 16
     pack_multi_row: bool = True  # lean forward on CPU fp32: oneDNN-packed weights for N >= 2 tokens
