@@ -12,8 +12,9 @@ K/V live in a preallocated buffer:
     [length, length + drafted)        this proposal's drafted entries (tree levels, chain steps)
 
 `commit` appends positions to the committed part (and drops any drafted entries); `draft` appends
-entries after the drafted ones under an explicit mask. Numerically it is the head's own forward
-(tested against `EagleHead` in fp32).
+entries after the drafted ones under an explicit mask. Every position has at least one slot, so
+positions stay below `length + drafted`, and the RoPE table grows with the K/V buffer.
+Numerically it is the head's own forward (tested against `EagleHead` in float64 and fp32).
 """
 from __future__ import annotations
 
@@ -88,11 +89,7 @@ class LeanEagleHead:
         entries are dropped first. embeds, features: (n, D). Returns f̂ (n, D)."""
         self.drafted = 0
         n = embeds.shape[0]
-        positions = torch.arange(self.length, self.length + n, device=self.device)
-        mask = None
-        if n > 1:  # bottom-right aligned causal mask over [0, length + n)
-            mask = torch.ones(n, self.length + n, dtype=torch.bool, device=self.device).tril_(self.length)
-        out = self._forward(embeds, features, positions, mask)
+        out = self._forward(embeds, features, torch.arange(self.length, self.length + n, device=self.device), None)
         self.length += n
         return out
 
@@ -109,9 +106,7 @@ class LeanEagleHead:
         n, H, Hkv, hd = embeds.shape[0], self.heads, self.kv_heads, self.head_dim
         start = self.length + self.drafted
         end = start + n
-        self._reserve(end)
-        if positions.numel() and int(positions.max()) >= self.cos.shape[0]:
-            self._reserve(int(positions.max()) + 1)
+        self._reserve(end)  # positions < end (module docstring): the RoPE table covers them
         positions = positions.to(self.device)
         if mask is None and n > 1:
             mask = torch.ones(n, end, dtype=torch.bool, device=self.device).tril_(start)
