@@ -109,13 +109,16 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class Attention(nn.Module):
-    def __init__(self, config: EagleConfig):
+    """Llama attention; q/k/v read `input_size` columns (EAGLE-3's layer reads 2D)."""
+
+    def __init__(self, config: EagleConfig, input_size: int | None = None):
         super().__init__()
         c = config
+        width = input_size or c.hidden_size
         self.n_heads, self.n_kv, self.head_dim = c.num_attention_heads, c.num_key_value_heads, c.head_dim
-        self.q_proj = nn.Linear(c.hidden_size, c.num_attention_heads * c.head_dim, bias=c.qkv_bias)
-        self.k_proj = nn.Linear(c.hidden_size, c.num_key_value_heads * c.head_dim, bias=c.qkv_bias)
-        self.v_proj = nn.Linear(c.hidden_size, c.num_key_value_heads * c.head_dim, bias=c.qkv_bias)
+        self.q_proj = nn.Linear(width, c.num_attention_heads * c.head_dim, bias=c.qkv_bias)
+        self.k_proj = nn.Linear(width, c.num_key_value_heads * c.head_dim, bias=c.qkv_bias)
+        self.v_proj = nn.Linear(width, c.num_key_value_heads * c.head_dim, bias=c.qkv_bias)
         self.o_proj = nn.Linear(c.num_attention_heads * c.head_dim, c.hidden_size, bias=False)
         if c.qk_norm:
             self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
