@@ -124,11 +124,15 @@ def _regenerate_batch(records: list[dict], tokenizer, generate_fn: GenerateFn, c
     return out
 
 
-def shard_key(records: Sequence[dict], config: RegenerateConfig, max_prompt_tokens: int, seed: int) -> str:
-    """What a shard is made from: its records' ids, in order, and every setting that changes the
-    replies (a digest, written beside the shard)."""
+def shard_key(records: Sequence[dict], config: RegenerateConfig, max_prompt_tokens: int, seed: int,
+              target_identity: dict | None = None) -> str:
+    """What a shard is made from: its records' ids, in order, the target that wrote the replies
+    (`target_identity`: its fingerprint and tokenizer hash) and every sampling setting that changes
+    them (a digest, written beside the shard)."""
     settings = {"temperature": config.temperature, "max_new_tokens": config.max_new_tokens,
-                "max_turns": config.max_turns, "max_prompt_tokens": max_prompt_tokens, "seed": seed}
+                "max_turns": config.max_turns, "max_prompt_tokens": max_prompt_tokens, "seed": seed,
+                "sampling": "top_k=0, top_p=1" if config.temperature > 0 else "greedy",
+                "target": target_identity or {}}
     payload = json.dumps({"ids": [str(r["id"]) for r in records], "settings": settings}, sort_keys=True)
     return hashlib.sha256(payload.encode("utf-8")).hexdigest()[:32]
 
@@ -149,11 +153,12 @@ def _shard_done(output_dir: Path, index: int, key: str) -> bool:
 
 def regenerate(records: Sequence[dict], tokenizer, generate_fn: GenerateFn, output_dir: str | os.PathLike,
                config: RegenerateConfig, max_prompt_tokens: int = 2048, rank: int = 0, world_size: int = 1,
-               seed: int = 0, progress: bool = True) -> dict:
+               seed: int = 0, progress: bool = True, target_identity: dict | None = None) -> dict:
     """Regenerate the assistant turns of normalised records (`{"id", "messages": [{"role",
     "content"}]}`) into this rank's missing shards of `output_dir`. A conversation stops before a
     turn whose prompt plus max_new_tokens exceeds max_prompt_tokens (dropped if no reply is left).
-    Sampling is seeded per shard, so a resumed run writes what an uninterrupted one would.
+    Sampling is seeded per shard, so a resumed run writes what an uninterrupted one would; shards
+    written by another target (`target_identity`) or other settings are written again.
     Returns {"written": [...], "skipped": [...]}; call `merge_shards` after every rank is done."""
     from tqdm.auto import tqdm
 
@@ -161,7 +166,8 @@ def regenerate(records: Sequence[dict], tokenizer, generate_fn: GenerateFn, outp
     output_dir.mkdir(parents=True, exist_ok=True)
     size = config.shard_size
     shards = range(rank, -(-len(records) // size), world_size)
-    keys = {s: shard_key(records[s * size:(s + 1) * size], config, max_prompt_tokens, seed) for s in shards}
+    keys = {s: shard_key(records[s * size:(s + 1) * size], config, max_prompt_tokens, seed, target_identity)
+            for s in shards}
     missing = [s for s in shards if not _shard_done(output_dir, s, keys[s])]
     turns = {s: sum(m["role"] == "assistant" for r in records[s * size:(s + 1) * size]
                     for m in r["messages"][:_turn_limit(r["messages"], config.max_turns)]) for s in missing}

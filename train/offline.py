@@ -124,6 +124,12 @@ def _eos_ids(target) -> list[int]:
     return [eos] if isinstance(eos, int) else list(eos or [])
 
 
+def target_identity(target) -> dict:
+    """What identifies the target's replies: its weights' fingerprint and its tokenizer."""
+    tokenizer = target.tokenizer_hash() if target.tokenizer is not None else None
+    return {"fingerprint": target.fingerprint()["id"], "tokenizer": tokenizer}
+
+
 def regenerate_data(job, target, generate_fn=None) -> Path:
     """Self-distillation stage: regenerate the assistant turns of `data.source` with the target into
     data.regenerate.output_dir (default <run_dir>/regenerated); returns regenerated.jsonl, for
@@ -141,7 +147,7 @@ def regenerate_data(job, target, generate_fn=None) -> Path:
         generate_fn = hf_generate_fn(target.model, pad, _eos_ids(target))
     rank, world = _rank_world()
     regenerate(records, target.tokenizer, generate_fn, directory, config, max_prompt_tokens=job.data.max_length,
-               rank=rank, world_size=world, seed=job.trainer.seed)
+               rank=rank, world_size=world, seed=job.trainer.seed, target_identity=target_identity(target))
     shards = -(-len(records) // config.shard_size)
     _wait_for([directory / f"regenerated-{s:05d}.jsonl" for s in range(shards)], "regenerated shards")
     merged = directory / "regenerated.jsonl"

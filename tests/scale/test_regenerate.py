@@ -138,3 +138,21 @@ def test_a_shard_from_other_records_or_settings_is_written_again(tmp_path):
     assert regenerate(_records(4), tokenizer, generate, out, longer, progress=False)["written"] == [0, 1]
     (out / (shard_name(0) + ".key")).unlink()
     assert regenerate(_records(4), tokenizer, generate, out, config, progress=False)["written"] == [1]
+
+
+def test_a_shard_written_by_another_target_is_written_again(tmp_path):
+    config = RegenerateConfig(enabled=True, max_new_tokens=4, batch_size=2, shard_size=2)
+    generate = hf_generate_fn(tiny_model(), pad_id=0, eos_ids=[2])
+    tokenizer, out = ToyTokenizer(), tmp_path / "regen"
+    first = {"fingerprint": "aaaa", "tokenizer": "t1"}
+    assert regenerate(_records(4), tokenizer, generate, out, config, progress=False,
+                      target_identity=first)["written"] == [0, 1]
+    counting = Counting(generate)
+    assert regenerate(_records(4), tokenizer, counting, out, config, progress=False,
+                      target_identity=dict(first))["written"] == []
+    other = {"fingerprint": "bbbb", "tokenizer": "t1"}
+    assert regenerate(_records(4), tokenizer, generate, out, config, progress=False,
+                      target_identity=other)["written"] == [0, 1]
+    retokenized = {"fingerprint": "bbbb", "tokenizer": "t2"}
+    assert regenerate(_records(4), tokenizer, generate, out, config, progress=False,
+                      target_identity=retokenized)["written"] == [0, 1]
