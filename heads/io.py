@@ -1,6 +1,6 @@
 """Native head checkpoint: `head_config.json` + `model.safetensors`, each written atomically.
 
-head_config.json = {"type": "eagle" | "medusa", "config": {<EagleConfig | MedusaConfig fields>},
+head_config.json = {"type": "eagle" | "eagle3" | "medusa", "config": {<EagleConfig | Eagle3Config | MedusaConfig fields>},
                     "format_version": 1, **extra}
 """
 from __future__ import annotations
@@ -15,12 +15,13 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from heads.eagle import EagleConfig, EagleHead
+from heads.eagle3 import Eagle3Config, Eagle3Head
 from heads.medusa import MedusaConfig, MedusaHeads
 
 CONFIG_NAME = "head_config.json"
 WEIGHTS_NAME = "model.safetensors"
 FORMAT_VERSION = 1
-_TYPES = {"eagle": (EagleConfig, EagleHead), "medusa": (MedusaConfig, MedusaHeads)}
+_TYPES = {"eagle": (EagleConfig, EagleHead), "eagle3": (Eagle3Config, Eagle3Head), "medusa": (MedusaConfig, MedusaHeads)}
 
 
 class HeadMismatchError(ValueError):
@@ -35,7 +36,7 @@ def head_type(config) -> str:
 
 
 def build_head(config) -> nn.Module:
-    """A freshly initialised head for an EagleConfig or MedusaConfig."""
+    """A freshly initialised head for an EagleConfig, Eagle3Config or MedusaConfig."""
     return _TYPES[head_type(config)][1](config)
 
 
@@ -119,7 +120,7 @@ def load_head(directory: str | os.PathLike, target=None, strict_fingerprint: boo
 
 
 def build_buffers(config) -> dict[str, torch.Tensor]:
-    if isinstance(config, EagleConfig):
+    if isinstance(config, (EagleConfig, Eagle3Config)):
         from heads.eagle import rope_inv_freq
 
         return {"inv_freq": rope_inv_freq(config)[0]}

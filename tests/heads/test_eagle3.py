@@ -143,3 +143,20 @@ def test_project_reads_aux_streams_in_order(target):
     feats = target.features(torch.randint(0, V, (1, 5)), layers=(1, 2, 4))
     aux = torch.cat([feats.hidden[i] for i in (1, 2, 4)], -1)  # (1, 5, 3D)
     assert head.project(aux).shape == (1, 5, D)
+
+
+def test_native_checkpoint_round_trip(target, tmp_path):
+    from heads.io import load_head, save_head
+
+    ids = torch.arange(0, V, 3)
+    config = Eagle3Config.from_target(target, draft_vocab_size=ids.numel(), aux_layer_ids=[1, 2, 4])
+    head = init_from_target(Eagle3Head(config), target, ids)
+    save_head(tmp_path / "h", head, config)
+    loaded, loaded_config, meta = load_head(tmp_path / "h", target)
+    assert meta["type"] == "eagle3" and loaded_config == config
+    assert torch.equal(loaded.draft_ids(), ids)
+    for key, value in head.state_dict().items():
+        assert torch.equal(loaded.state_dict()[key], value), key
+    B, T = 1, 4
+    emb, hid, pos = torch.randn(B, T, D), torch.randn(B, T, D), torch.arange(T)[None]
+    torch.testing.assert_close(loaded(emb, hid, pos)[0], head(emb, hid, pos)[0])
