@@ -1,10 +1,12 @@
-"""`python -m export ckpt=DIR format=eagle out=DIR [dtype=bfloat16] [base=MODEL]` (Hydra, config
-conf/export/default.yaml) and `python -m export validate DIR [base=MODEL]`.
+"""`python -m export ckpt=DIR format=eagle out=DIR [dtype=bfloat16] [base=MODEL] [overwrite=true]` (Hydra,
+config conf/export/default.yaml) and `python -m export validate DIR [base=MODEL]`.
 
 ckpt: a head checkpoint or any export folder. format: one of native, eagle, eagle_vllm, medusa
 (written into `out`); without it every entry of `formats` is written to `out/<format>`. base: the
 base model (hub id, local folder, GGUF file, `embedded:smollm2-135m-instruct`); default: the
-target the head was trained on. Hydra and OmegaConf stop here.
+target the head was trained on. An existing `out` is replaced only when it is an earlier export of
+the same format and head type (overwrite=true: any export); a folder that is not an export is
+never replaced. Hydra and OmegaConf stop here.
 """
 from __future__ import annotations
 
@@ -21,7 +23,7 @@ from omegaconf.errors import OmegaConfBaseException
 from export.config import ExportConfig
 
 CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf" / "export")
-USAGE = "usage: python -m export ckpt=DIR format=FORMAT out=DIR [dtype=...] [base=MODEL]\n" \
+USAGE = "usage: python -m export ckpt=DIR format=FORMAT out=DIR [dtype=...] [base=MODEL] [overwrite=true]\n" \
         "       python -m export validate DIR [base=MODEL]"
 
 
@@ -59,9 +61,10 @@ def run_export(cfg: ExportConfig) -> dict[str, Path]:
         extra["runtime"] = runtime
     if cfg.format is None:
         return export_all(head, config, cfg.formats, cfg.out, target, cfg.dtype, cfg.native_dtype, extra,
-                          cfg.strict_fingerprint)
+                          cfg.strict_fingerprint, cfg.overwrite)
     dtype = (cfg.native_dtype or cfg.dtype) if cfg.format == "native" else cfg.dtype
-    return {cfg.format: export_head(head, config, cfg.format, cfg.out, target, dtype, extra, cfg.strict_fingerprint)}
+    return {cfg.format: export_head(head, config, cfg.format, cfg.out, target, dtype, extra, cfg.strict_fingerprint,
+                                    cfg.overwrite)}
 
 
 def run_validate(args: list[str]) -> int:

@@ -15,3 +15,6 @@ class ExportConfig:
     format: str | None = None  # for `python -m export`: one format into `out` (None: `formats` into out/<fmt>)
     base: str | None = None  # base model spec (hub id, folder, GGUF, embedded:...); None: the head's target
     strict_fingerprint: bool = True  # refuse a head whose target fingerprint differs from the base model's
+    # replace an existing export of another format or head type at `out` (a folder that is not an
+    # export is never replaced; an earlier export of the same format always is)
+    overwrite: bool = False

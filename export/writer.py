@@ -15,10 +15,10 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
-from export.formats import get_format, resolve_formats, torch_dtype
+from export.formats import ExportError, get_format, resolve_formats, torch_dtype
 from export.manifest import (MANIFEST_NAME, README_NAME, base_model_from_target, build_manifest, model_card,
                              recommended_runtime, sha256_file)
-from export.validate import validate_export
+from export.validate import ExportValidationError, read_manifest, validate_export
 from heads.io import check_against_target, head_type
 
 log = logging.getLogger(__name__)
@@ -78,6 +78,32 @@ def _auto_notes(fmt_name: str, config, base) -> list[str]:
     return notes
 
 
+def check_destination(out: Path, fmt: str, kind: str, overwrite: bool = False) -> None:
+    """Refuse a destination whose contents the user may own. A missing or empty folder is free; an
+    earlier export of the same format and head type is replaced (a re-export); any other export only
+    with `overwrite`; a folder without a valid specheads.json, a file, or the working folder never."""
+    if not out.exists():
+        return
+    if not out.is_dir():
+        raise ExportError(f"out={out} is a file, not a folder; choose another out=")
+    cwd = Path.cwd().resolve()
+    if out == cwd or out in cwd.parents:
+        raise ExportError(f"out={out} is the working folder or holds it; an export replaces its whole folder, "
+                          "so choose a new folder for out=")
+    if not any(out.iterdir()):
+        return
+    try:
+        manifest = read_manifest(out)
+    except ExportValidationError as error:
+        raise ExportError(f"out={out} exists and is not a specheads export ({error.problems[0]}); it is not "
+                          "replaced, even with overwrite=true: choose another out= or empty it yourself") from None
+    if overwrite or (manifest["format"], manifest["head_type"]) == (fmt, kind):
+        return
+    raise ExportError(f"out={out} holds a {manifest['format']} export of a {manifest['head_type']} head; writing "
+                      f"a {fmt} export of a {kind} head there would replace it: pass overwrite=true "
+                      "(export.overwrite=true in a job) or choose another out=")
+
+
 def _place(tmp: Path, out: Path) -> None:
     """Rename the finished temp folder to `out`, replacing an older export there."""
     if not out.exists():
@@ -102,26 +128,29 @@ def _place(tmp: Path, out: Path) -> None:
 
 
 def export_head(head: nn.Module, config, fmt: str, out_dir: str | os.PathLike, target, dtype: str = "bfloat16",
-                manifest_extra: dict | None = None, strict_fingerprint: bool = True) -> Path:
+                manifest_extra: dict | None = None, strict_fingerprint: bool = True, overwrite: bool = False) -> Path:
     """Export a trained head in format `fmt` (native | eagle | eagle_vllm | medusa) to `out_dir`.
 
     target: the FrozenTarget the head was trained on (its embedding / lm_head go into the engine
     files; its fingerprint into the manifest). manifest_extra: optional dicts `runtime` (eagle:
     top_k, depth, total_tokens, chain_depth; medusa: medusa_choices — what eval used), `training`
     (steps, tokens, held-out accuracies, ...), `eval` (tau, speedup, hardware, ...), `notes` (list
-    of str), `base_model_id` (hub id engines load the base by). Returns the folder; it is
-    validated before it is renamed into place, and logged as a W&B artifact when a run is active.
+    of str), `base_model_id` (hub id engines load the base by). An existing `out_dir` is replaced
+    only when it is an earlier export of the same format and head type, or with `overwrite` any
+    export (`check_destination`). Returns the folder; it is validated before it is renamed into
+    place, and logged as a W&B artifact when a run is active.
     """
     layout = get_format(fmt)
     kind = head_type(config)
     resolve_formats([fmt], kind)
     check_against_target(config, target, strict_fingerprint)
+    out = Path(out_dir).resolve()
+    check_destination(out, layout.name, kind, overwrite)
     extra = dict(manifest_extra or {})
     base = base_model_from_target(target, extra.get("base_model_id"))
     cast = torch_dtype(dtype)
     tensors, config_json = layout.to_files(head.state_dict(), config, base, dtype)
     tensors = prepare_tensors(tensors, cast)
-    out = Path(out_dir).resolve()
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     try:
@@ -152,14 +181,15 @@ def export_head(head: nn.Module, config, fmt: str, out_dir: str | os.PathLike, t
 
 def export_all(head: nn.Module, config, formats: list[str], out_root: str | os.PathLike, target,
                dtype: str = "bfloat16", native_dtype: str | None = "float32",
-               manifest_extra: dict | None = None, strict_fingerprint: bool = True) -> dict[str, Path]:
+               manifest_extra: dict | None = None, strict_fingerprint: bool = True,
+               overwrite: bool = False) -> dict[str, Path]:
     """Export every format in `formats` (`engine` = every engine layout of the head type) to
     `out_root/<format>`; native uses `native_dtype` (None: `dtype`) so training can resume from it."""
     paths = {}
     for fmt in resolve_formats(formats, head_type(config)):
         fmt_dtype = (native_dtype or dtype) if fmt == "native" else dtype
         paths[fmt] = export_head(head, config, fmt, Path(out_root) / fmt, target, fmt_dtype, manifest_extra,
-                                 strict_fingerprint)
+                                 strict_fingerprint, overwrite)
     return paths
 
 

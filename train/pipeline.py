@@ -137,7 +137,7 @@ def run_job(job: JobConfig) -> dict:
             extra["runtime"] = runtime
         out_root = Path(job.export.out) if job.export.out else run_dir / "export"
         paths = export_all(head, head_config, job.export.formats, out_root, target, job.export.dtype,
-                           job.export.native_dtype, extra, job.export.strict_fingerprint)
+                           job.export.native_dtype, extra, job.export.strict_fingerprint, job.export.overwrite)
         summary["export"] = {fmt: str(path) for fmt, path in paths.items()}
         for fmt, path in paths.items():
             log.info("exported %s -> %s", fmt, path)

@@ -128,3 +128,14 @@ def test_reexport_keeps_measured_runtime_settings(saved):
     assert manifest["runtime"]["source"] == "measured"
     assert manifest["runtime"]["tree"] == {"top_k": 3, "depth": 2, "total_tokens": 7}
     assert manifest["runtime"]["vllm"] == {"num_speculative_tokens": 2}
+
+
+def test_cli_refuses_to_replace_a_user_folder(saved, capsys, monkeypatch):
+    monkeypatch.setattr(sys, "argv", ["export"])
+    mine = saved["root"] / "mine"
+    mine.mkdir()
+    (mine / "thesis.tex").write_text("years of work")
+    for extra in ([], ["overwrite=true"]):
+        assert cli([f"ckpt={saved['ckpt']}", "format=eagle", f"out={mine}", f"base={saved['base']}", *extra]) == 2
+        assert "is not a specheads export" in capsys.readouterr().err
+    assert [p.name for p in mine.iterdir()] == ["thesis.tex"]
