@@ -6,6 +6,12 @@ Alignment for a sequence x_0..x_{T-1} with target features f_0..f_{T-1} (f_t pre
   counts when x_{t+2} is an assistant token.
 - Medusa head k, position t: predicts x_{t+k+2} from f_t; counts when that token is an assistant
   token.
+- EAGLE-3, chain t at unrolled step j (0-based): input (embed(x_{t+1+j}), h) at position t+j, where
+  h = fc(aux_t) at step 0 and the head's own step j-1 output after; its logits over the draft
+  vocabulary are matched to the target's at t+1+j (from f_{t+1+j}, restricted to the draft
+  vocabulary). The chain counts at step j when x_{t+2+j} is an assistant token and the target's
+  top-1 at t+1+j lies in the draft vocabulary (step 0 is EAGLE's alignment; step j is it shifted
+  by j).
 Vocabulary projections run only on the counted positions, in chunks of `chunk_size` rows, because
 the (N, V) logits of a 49k vocabulary dominate the cost of a step on CPU.
 """
@@ -142,3 +148,53 @@ def medusa_loss(head_hidden: list[torch.Tensor], lm_head_weights: list[torch.Ten
         losses.append(loss.detach())
         hits.append(hit)
     return {"loss": total, "head_losses": losses, "hits": hits}
+
+
+@torch.no_grad()
+def draft_vocab_teacher(final: torch.Tensor, lm_head_weight: torch.Tensor, t2d: torch.Tensor,
+                        chunk_size: int = 1024) -> tuple[torch.Tensor, torch.Tensor]:
+    """The target's view of counted rows for a draft-vocabulary loss: final post-norm states (N, D),
+    the target's lm_head (V, D), t2d bool (V,) marking the Vd draft ids. Returns (logits (N, Vd)
+    float32 over the draft ids in ascending target-id order, in_vocab (N,) bool: whether the
+    target's top-1 over the whole vocabulary is a draft id). Full-vocabulary logits exist one chunk
+    of rows at a time."""
+    t2d = t2d.to(final.device)
+    kept, in_vocab = [], []
+    for _, logits in chunked_logits(final, lm_head_weight.to(final.dtype), chunk_size):
+        in_vocab.append(t2d[logits.argmax(-1)])
+        kept.append(logits[:, t2d].float())  # (n, Vd)
+    if not kept:
+        return final.new_zeros(0, int(t2d.sum()), dtype=torch.float32), torch.zeros(0, dtype=torch.bool,
+                                                                                   device=final.device)
+    return torch.cat(kept), torch.cat(in_vocab)
+
+
+def eagle3_loss(hidden: list[torch.Tensor], lm_head_weight: torch.Tensor, teacher_logits: torch.Tensor,
+                in_vocab: torch.Tensor, rows: list[torch.Tensor], decay: float, chunk_size: int = 1024) -> dict:
+    """Σ_j decay**j · soft-CE_j over the draft vocabulary. teacher_logits (M, Vd) and in_vocab (M,)
+    bool hold the target's view of M positions once; step j scores the head's normed outputs at
+    its counted rows, hidden[j] (N_j, D), through the draft lm_head (Vd, D) against teacher rows
+    rows[j] (N_j,) long. Rows whose target top-1 lies outside the draft vocabulary are left out of
+    the mean (the draft can never propose it) and count as misses in `hits`.
+    Returns {loss, step_losses [S], hits [S] of bool (N_j,), out_of_vocab [S] ints}."""
+    total, losses, hits, outside = 0.0, [], [], []
+    for j, (states, index) in enumerate(zip(hidden, rows)):
+        keep = in_vocab[index]  # (N_j,)
+        states, index = states[keep], index[keep]
+        loss = states.sum() * 0.0
+        agree = []
+        for start, logits in chunked_logits(states, lm_head_weight, chunk_size):
+            with torch.no_grad():
+                teacher = teacher_logits[index[start:start + logits.shape[0]]]  # (n, Vd)
+            p = torch.softmax(teacher, -1)
+            loss = loss - (p * torch.log_softmax(logits.float(), -1)).sum()
+            agree.append(logits.detach().argmax(-1) == teacher.argmax(-1))
+        loss = loss / max(states.shape[0], 1)
+        total = total + decay**j * loss
+        full = torch.zeros_like(keep)
+        if agree:
+            full[keep] = torch.cat(agree)
+        losses.append(loss.detach())
+        hits.append(full)
+        outside.append(int((~keep).sum()))
+    return {"loss": total, "step_losses": losses, "hits": hits, "out_of_vocab": outside}

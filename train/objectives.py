@@ -24,18 +24,22 @@ from train.losses import (
 class FeatureSource(Protocol):
     def __call__(self, batch: dict) -> torch.Tensor:
         """batch: input_ids (B, T), attention_mask (B, T), loss_mask (B, T), ids [B] -> the target's
-        final post-norm features (B, T, D) on the batch's device."""
+        hidden states at the source's layers, concatenated in their order: (B, T, n·D) on the
+        batch's device. The default layers are (-1,): the final post-norm features (B, T, D)."""
 
 
 class OnlineFeatures:
-    """Run the frozen target on each batch (online mode)."""
+    """Run the frozen target on each batch (online mode). layers: transformers' hidden_states
+    numbering (i = the stream entering decoder layer i), -1 = the final post-norm state."""
 
-    def __init__(self, target):
-        self.target = target
+    def __init__(self, target, layers=(-1,)):
+        self.target, self.layers = target, list(layers)
 
     def __call__(self, batch: dict) -> torch.Tensor:
-        out = self.target.features(batch["input_ids"], batch["attention_mask"], layers=(-1,))
-        return out.hidden[self.target.num_layers]
+        out = self.target.features(batch["input_ids"], batch["attention_mask"], layers=self.layers)
+        wrap = self.target.num_layers + 1
+        hidden = [out.hidden[layer % wrap] for layer in self.layers]
+        return hidden[0] if len(hidden) == 1 else torch.cat(hidden, -1)  # (B, T, n·D)
 
 
 class MemoizedFeatures:

@@ -28,17 +28,21 @@ log = logging.getLogger(__name__)
 
 
 class OfflineFeatures:
-    """batch (input_ids (B, T), attention_mask, loss_mask, ids [B]) -> cached features (B, T, D).
+    """batch (input_ids (B, T), attention_mask, loss_mask, ids [B]) -> cached features (B, T, n·D):
+    the cached `layers` concatenated in their order (-1: the final post-norm state), as
+    OnlineFeatures returns them.
 
-    layer: the cached layer to return (-1: the final post-norm state). dtype: what the heads
-    compute in (the cache may hold bf16). Checks that the cached token ids are the batch's, so a
-    cache built from other data or another tokenizer fails loudly instead of training on noise.
+    dtype: what the heads compute in (the cache may hold bf16). Checks that the cached token ids
+    are the batch's, so a cache built from other data or another tokenizer fails loudly instead of
+    training on noise.
     """
 
-    def __init__(self, cache: FeatureCache, layer: int = -1, dtype: torch.dtype = torch.float32):
-        if layer not in cache.layers:
-            raise ValueError(f"feature cache {cache.directory} holds layers {cache.layers}, not {layer}")
-        self.cache, self.layer, self.dtype = cache, layer, dtype
+    def __init__(self, cache: FeatureCache, layers=(-1,), dtype: torch.dtype = torch.float32):
+        missing = [layer for layer in layers if layer not in cache.layers]
+        if missing:
+            raise ValueError(f"feature cache {cache.directory} holds layers {cache.layers}, not {missing} "
+                             "(delete it or choose another data.feature_cache_dir)")
+        self.cache, self.layers, self.dtype = cache, list(layers), dtype
 
     def __call__(self, batch: dict) -> torch.Tensor:
         ids = batch["input_ids"]  # (B, T)
@@ -50,10 +54,14 @@ class OfflineFeatures:
             if n > T or not torch.equal(record["input_ids"], ids[b, :n].cpu()):
                 raise ValueError(f"feature cache {self.cache.directory}: record {record_id!r} holds other tokens "
                                  "than the batch (stale cache? delete it and run the data stage again)")
-            hidden = record["hidden"][self.layer]  # (n, D)
+            hidden = [record["hidden"][layer] for layer in self.layers]  # each (n, D)
+            width = sum(h.shape[-1] for h in hidden)
             if out is None:
-                out = torch.zeros(B, T, hidden.shape[-1], dtype=self.dtype)  # (B, T, D)
-            out[b, :n] = hidden.to(self.dtype)
+                out = torch.zeros(B, T, width, dtype=self.dtype)  # (B, T, n·D)
+            start = 0
+            for h in hidden:
+                out[b, :n, start:start + h.shape[-1]] = h.to(self.dtype)
+                start += h.shape[-1]
         return out.to(ids.device)
 
 
@@ -78,14 +86,14 @@ def feature_cache_dir(job) -> Path:
     return Path(job.data.feature_cache_dir or Path(job.trainer.output_dir) / "features")
 
 
-def offline_source(job, target, prepared, layer: int = -1) -> OfflineFeatures:
-    """Build (or finish) the feature cache of prepared.train + prepared.eval and read it back.
-    Prints the size estimate first; refuses when the disk cannot hold it."""
+def offline_source(job, target, prepared, layers=(-1,)) -> OfflineFeatures:
+    """Build (or finish) the feature cache of `layers` for prepared.train + prepared.eval and read
+    it back. Prints the size estimate first; refuses when the disk cannot hold it."""
     directory = feature_cache_dir(job)
     rows = list(prepared.train) + list(prepared.eval)
     rank, world = _rank_world()
     pad_id = target.config.pad_token_id if target.config.pad_token_id is not None else 0
-    write_feature_cache(directory, target, rows, layers=(layer,), dtype=job.data.feature_cache_dtype,
+    write_feature_cache(directory, target, rows, layers=tuple(layers), dtype=job.data.feature_cache_dtype,
                         shard_records=job.data.feature_shard_records, batch_size=job.trainer.batch_size,
                         pad_id=pad_id, rank=rank, world_size=world, target_fingerprint=target.fingerprint(),
                         device=target.device)
@@ -99,7 +107,7 @@ def offline_source(job, target, prepared, layer: int = -1) -> OfflineFeatures:
     if written_by.get("id") and written_by["id"] != target.fingerprint()["id"]:
         raise ValueError(f"feature cache {directory} was written by another target (fingerprint {written_by['id']}, "
                          f"this one {target.fingerprint()['id']}); delete it or choose another data.feature_cache_dir")
-    return OfflineFeatures(cache, layer=layer, dtype=target.dtype)
+    return OfflineFeatures(cache, layers=layers, dtype=target.dtype)
 
 
 def parts_only_layers(job) -> list[int] | None:

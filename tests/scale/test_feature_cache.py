@@ -118,3 +118,38 @@ def test_offline_source_refuses_a_stale_cache(tmp_path):
     ids = torch.tensor([rows[0]["input_ids"]]) + 1
     with pytest.raises(ValueError, match="other tokens"):
         source({"input_ids": ids, "ids": [rows[0]["id"]]})
+
+
+def test_an_aux_layer_cache_serves_what_the_target_gives_online(tmp_path):
+    """EAGLE-3 reads several streams plus the final state, concatenated in the order asked for."""
+    from train.objectives import MemoizedFeatures, OnlineFeatures
+    from train.offline import OfflineFeatures
+
+    target, rows = tiny_target(num_hidden_layers=4), _rows(5)
+    layers = [2, 0, 3, -1]
+    write_feature_cache(tmp_path, target, rows, layers=layers, dtype="float32", shard_records=2, progress=False)
+    cache = FeatureCache(write_index(tmp_path))
+    assert cache.layers == layers
+    picked = [rows[3], rows[1]]
+    T = max(len(r["input_ids"]) for r in picked)
+    batch = {"input_ids": torch.zeros(2, T, dtype=torch.long), "attention_mask": torch.zeros(2, T, dtype=torch.long),
+             "ids": [r["id"] for r in picked]}
+    for b, r in enumerate(picked):
+        batch["input_ids"][b, :len(r["input_ids"])] = torch.tensor(r["input_ids"])
+        batch["attention_mask"][b, :len(r["input_ids"])] = 1
+    online = OnlineFeatures(target, layers)(batch)
+    offline = OfflineFeatures(cache, layers)(batch)
+    assert online.shape == offline.shape == (2, T, 4 * 64)
+    valid = batch["attention_mask"].bool()
+    torch.testing.assert_close(offline[valid], online[valid], rtol=1e-5, atol=1e-5)
+    single = target.features(batch["input_ids"][:1], layers=(0,)).hidden[0]
+    torch.testing.assert_close(offline[0, :len(picked[0]["input_ids"]), 64:128],
+                               single[0, :len(picked[0]["input_ids"])], rtol=1e-5, atol=1e-5)
+    memo = MemoizedFeatures(OfflineFeatures(cache, layers), max_megabytes=1)
+    memo(batch)
+    torch.testing.assert_close(memo(batch)[valid], offline[valid])  # the second call is served from memory
+    assert set(memo.rows) == set(batch["ids"])
+    with pytest.raises(ValueError, match=r"not \[1\]"):
+        OfflineFeatures(cache, [1, -1])
+    with pytest.raises(ValueError, match="layers"):  # a cache of other layers is refused, not mixed
+        write_feature_cache(tmp_path, target, rows, layers=[-1], dtype="float32", shard_records=2, progress=False)
