@@ -12,7 +12,8 @@ shipped in the repository for the embedded default (SmolLM2-135M-Instruct), the 
 On the CPU runtime (conf/runtime/cpu.yaml) the EAGLE tree size is chosen at start from the
 verification-cost curve measured on the machine (`runtime.tree_total_tokens=auto`; an integer fixes
 it), and `runtime.fallback=true` switches to plain decoding steps while speculation does not pay.
-Hydra and OmegaConf stop here.
+Hydra's flags (`--cfg job`, `--info`, `--help`, `-m`) go anywhere among the overrides; each job of a
+multirun writes to `out/<its overrides>`. Hydra and OmegaConf stop here.
 """
 from __future__ import annotations
 
@@ -25,11 +26,14 @@ from typing import Any
 
 import hydra
 from hydra.core.config_store import ConfigStore
+from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
 from hydra.errors import HydraException
 from omegaconf import DictConfig, OmegaConf
 
 from data.config import DataConfig
 from eval.config import RuntimeConfig
+from heads.cli import exit_status, hydra_argv, sweep_output
 from heads.target import TargetConfig
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -148,6 +152,9 @@ def run(cfg: EvalEntryConfig) -> dict:
 @hydra.main(config_path=CONF_DIR, config_name="eval", version_base="1.3")
 def main(cfg: DictConfig) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", force=True)
+    hydra_config = HydraConfig.get()
+    if hydra_config.mode == RunMode.MULTIRUN:
+        cfg.out = sweep_output(cfg.out, list(hydra_config.overrides.task), "out")
     try:
         run(OmegaConf.to_object(cfg))
     except (ValueError, FileNotFoundError) as error:
@@ -155,10 +162,20 @@ def main(cfg: DictConfig) -> None:
         sys.exit(2)
 
 
-if __name__ == "__main__":
-    sys.argv += ["hydra.run.dir=.", "hydra.output_subdir=null", "hydra/job_logging=none", "hydra/hydra_logging=none"]
+def cli(argv: list[str]) -> int:
+    """The command line without the interpreter; returns the exit status."""
+    saved, sys.argv = sys.argv, [sys.argv[0] if sys.argv else "eval", *hydra_argv(argv)]
     try:
         main()
     except HydraException as error:
         print(f"config error: {error}", file=sys.stderr)
-        sys.exit(2)
+        return 2
+    except SystemExit as exit_:
+        return exit_status(exit_)
+    finally:
+        sys.argv = saved
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(cli(sys.argv[1:]))

@@ -6,7 +6,8 @@ ckpt: a head checkpoint or any export folder. format: one of native, eagle, eagl
 base model (hub id, local folder, GGUF file, `embedded:smollm2-135m-instruct`); default: the
 target the head was trained on. An existing `out` is replaced only when it is an earlier export of
 the same format and head type (overwrite=true: any export); a folder that is not an export is
-never replaced. Hydra and OmegaConf stop here.
+never replaced. Hydra's flags (`--cfg job`, `--info`, `--help`, `-m`) go anywhere among the
+overrides; each job of a multirun writes to `out/<its overrides>`. Hydra and OmegaConf stop here.
 """
 from __future__ import annotations
 
@@ -16,11 +17,14 @@ import sys
 from pathlib import Path
 
 import hydra
+from hydra.core.hydra_config import HydraConfig
 from hydra.errors import HydraException
+from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from export.config import ExportConfig
+from heads.cli import exit_status, hydra_argv, sweep_output
 
 CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf" / "export")
 USAGE = "usage: python -m export ckpt=DIR format=FORMAT out=DIR [dtype=...] [base=MODEL] [overwrite=true]\n" \
@@ -95,6 +99,9 @@ def main(cfg: DictConfig) -> None:
     from export import ExportError
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", force=True)
+    hydra_config = HydraConfig.get()
+    if hydra_config.mode == RunMode.MULTIRUN and cfg.out:
+        cfg.out = sweep_output(cfg.out, list(hydra_config.overrides.task), "out")
     try:
         paths = run_export(to_export_config(cfg))
     except (ExportError, OmegaConfBaseException) as error:
@@ -108,16 +115,16 @@ def cli(argv: list[str]) -> int:
     """The command line without the interpreter: `validate ...` or Hydra overrides."""
     if argv and argv[0] == "validate":
         return run_validate(argv[1:])
-    program = sys.argv[0] if sys.argv else "export"
-    sys.argv = [program, *argv, "hydra.run.dir=.", "hydra.output_subdir=null", "hydra/job_logging=none",
-                "hydra/hydra_logging=none"]
+    saved, sys.argv = sys.argv, [sys.argv[0] if sys.argv else "export", *hydra_argv(argv)]
     try:
         main()
     except HydraException as error:
         print(f"config error: {error}", file=sys.stderr)
         return 2
     except SystemExit as exit_:
-        return exit_.code if isinstance(exit_.code, int) else 1
+        return exit_status(exit_)
+    finally:
+        sys.argv = saved
     return 0
 
 

@@ -1,7 +1,9 @@
 """`python -m train [+recipe=NAME] [key=value ...]`: the Hydra entry point of a whole job.
 
 Hydra and OmegaConf stop here: the composed config becomes a `JobConfig` dataclass tree, is
-validated before any heavy work, and the library code receives plain dataclasses.
+validated before any heavy work, and the library code receives plain dataclasses. Hydra's flags
+(`--cfg job`, `--info`, `--help`, `-m`) go anywhere among the overrides. Each job of a multirun
+(`-m trainer.learning_rate=1e-3,3e-4`) writes to `trainer.output_dir/<its overrides>`.
 """
 from __future__ import annotations
 
@@ -11,10 +13,13 @@ from pathlib import Path
 
 import hydra
 from hydra.core.config_store import ConfigStore
+from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
 from hydra.errors import HydraException
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from heads.cli import exit_status, hydra_argv, sweep_output
 from train.job import ConfigError, JobConfig, validate_job
 
 CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
@@ -43,6 +48,10 @@ def main(cfg: DictConfig) -> None:
     from train.pipeline import run_job
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", force=True)
+    hydra_config = HydraConfig.get()
+    if hydra_config.mode == RunMode.MULTIRUN:
+        cfg.trainer.output_dir = sweep_output(cfg.trainer.output_dir, list(hydra_config.overrides.task),
+                                              "trainer.output_dir")
     try:
         job = to_job(cfg)
     except (ConfigError, OmegaConfBaseException) as error:
@@ -51,11 +60,20 @@ def main(cfg: DictConfig) -> None:
     run_job(job)
 
 
-if __name__ == "__main__":
-    # Hydra's own run folder is not used: the job writes to trainer.output_dir and keeps the cwd.
-    sys.argv += ["hydra.run.dir=.", "hydra.output_subdir=null", "hydra/job_logging=none", "hydra/hydra_logging=none"]
+def cli(argv: list[str]) -> int:
+    """The command line without the interpreter; returns the exit status."""
+    saved, sys.argv = sys.argv, [sys.argv[0] if sys.argv else "train", *hydra_argv(argv)]
     try:
         main()
     except HydraException as error:
         print(f"config error: {error}", file=sys.stderr)
-        sys.exit(2)
+        return 2
+    except SystemExit as exit_:
+        return exit_status(exit_)
+    finally:
+        sys.argv = saved
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(cli(sys.argv[1:]))
