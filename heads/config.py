@@ -1,7 +1,8 @@
 """Head-group settings (the `heads` config group): which head to build and its shape options.
 
 The full rebuildable description of a trained head (sizes + target fingerprint) lives in each
-head's own config dataclass (`heads.eagle.EagleConfig`, `heads.medusa.MedusaConfig`).
+head's own config dataclass (`heads.eagle.EagleConfig`, `heads.eagle3.Eagle3Config`,
+`heads.medusa.MedusaConfig`).
 """
 from __future__ import annotations
 
@@ -36,8 +37,23 @@ class EagleOptions:
 
 
 @dataclass
+class Eagle3Options:
+    # target streams fc reads, in transformers' hidden_states numbering (i = the stream entering
+    # decoder layer i; vLLM's convention); None: [2, L//2, L-3]
+    aux_layer_ids: list[int] | None = None
+    # the draft vocabulary: the N most frequent tokens at the training split's loss positions
+    # (None: runtime.draft_vocab_size, what the runtime drafts from; 0: the full vocabulary)
+    draft_vocab_size: int | None = None
+    ttt_steps: int = 3  # training-time test: steps unrolled on the head's own outputs
+    loss_decay: float = 0.8  # unrolled step j weighs decay**j
+    norm_before_residual: bool = False  # True: the decoder layer's residual is hidden_norm(h)
+    eval_steps: int = 4  # held-out evaluation drafts this many steps on the head's own outputs
+
+
+@dataclass
 class HeadsConfig:
-    type: str = "eagle"  # eagle | medusa
+    type: str = "eagle"  # eagle | eagle3 | medusa
     hidden_size: int | None = None  # None: the target's; set only to check a recipe
     medusa: MedusaOptions = field(default_factory=MedusaOptions)
     eagle: EagleOptions = field(default_factory=EagleOptions)
+    eagle3: Eagle3Options = field(default_factory=Eagle3Options)

@@ -10,6 +10,11 @@ on assistant positions of held-out rows, teacher-forced on the data tokens:
   in speculative decoding (EAGLE-3's "training-time test" mask). Its top-1/top-5 is compared with
   argmax lm_head(f_{t+1+j}).
 
+- EAGLE-3 step j: the same chains (train/eagle3_objective.ttt_unroll: step 0 reads fc(aux_t), step
+  j its own step j-1 output); its top-1/top-5 over the draft vocabulary, mapped to target ids
+  through d2t, is compared with argmax lm_head(f_{t+1+j}) over the whole vocabulary, so a target
+  token outside the draft vocabulary is a miss, as it is when drafting.
+
 Acceptance estimate for a chain of depth d from per-step top-1 accuracies a_0..a_{d-1}:
     tau(d) = 1 + sum_{k=1..d} prod_{j<k} a_j
 (one token from the target's own verification step, plus each drafted token that survives; step
@@ -21,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from train.eagle3_objective import split_features, ttt_unroll
 from train.losses import chain_attention_mask, eagle_position_mask, medusa_position_mask, shift_left
 from train.objectives import FrozenParts
 
@@ -93,6 +99,31 @@ def eagle_eval_counts(head: nn.Module, parts: FrozenParts, batch: dict, features
 
 
 @torch.no_grad()
+def eagle3_eval_counts(head: nn.Module, parts: FrozenParts, batch: dict, features: torch.Tensor,
+                       steps: int, truths: list | None = None) -> torch.Tensor:
+    """(steps, 3) float counts of [top-1 hits, top-5 hits, positions] for one batch; features
+    (B, T, (n+1)·Ht) as train/eagle3_objective.feature_layers orders them (`truths`: as for EAGLE)."""
+    module = getattr(head, "module", head)
+    ids = batch["input_ids"]  # (B, T)
+    counts = torch.zeros(steps, 3, device=ids.device)
+    aux, final = split_features(features, len(module.config.aux_layer_ids))
+    base_mask = eagle_position_mask(batch["loss_mask"], batch["attention_mask"])  # (B, n)
+    for j, out in ttt_unroll(head, parts, ids, module.project(aux[:, :-1]), steps):
+        valid = shift_left(base_mask, j)
+        if truths is None or len(truths) <= j:
+            truth = _greedy(shift_left(final[:, 1:], j)[valid], parts.lm_head_weight)  # argmax at f_{t+1+j}
+            if truths is not None:
+                truths.append(truth)
+        else:
+            truth = truths[j]
+        logits = module.logits(out[valid])  # (N, Vd)
+        top = module.to_target_ids(logits.topk(min(5, logits.shape[-1]), dim=-1).indices)  # (N, 5) target ids
+        counts[j] += torch.stack([(top[:, 0] == truth).sum(), (top == truth[:, None]).any(-1).sum(),
+                                  torch.tensor(truth.shape[0], device=ids.device)]).to(counts)
+    return counts
+
+
+@torch.no_grad()
 def medusa_eval_counts(heads: nn.Module, parts: FrozenParts, batch: dict, features: torch.Tensor,
                        truths: list | None = None) -> torch.Tensor:
     """(K, 3) float counts of [top-1 hits, top-5 hits, positions] for one batch (`truths`: as for EAGLE)."""
@@ -118,7 +149,7 @@ def medusa_eval_counts(heads: nn.Module, parts: FrozenParts, batch: dict, featur
 
 def summarize(counts: torch.Tensor, kind: str) -> dict[str, float]:
     """(S, 3) summed counts -> {eval/top1_<i>, eval/top5_<i>, eval/positions, eval/acceptance_length}."""
-    name = "step" if kind == "eagle" else "head"
+    name = "head" if kind == "medusa" else "step"
     top1 = (counts[:, 0] / counts[:, 2].clamp(min=1)).tolist()
     top5 = (counts[:, 1] / counts[:, 2].clamp(min=1)).tolist()
     metrics = {"eval/positions": float(counts[0, 2])}
@@ -141,6 +172,8 @@ def run_eval(head: nn.Module, kind: str, parts: FrozenParts, source, batches, ea
         truths = cache.setdefault(index, []) if cache is not None else None
         if kind == "eagle":
             c = eagle_eval_counts(head, parts, batch, features, eagle_steps, truths)
+        elif kind == "eagle3":
+            c = eagle3_eval_counts(head, parts, batch, features, eagle_steps, truths)
         else:
             c = medusa_eval_counts(head, parts, batch, features, truths)
         counts[: c.shape[0]] += c

@@ -64,7 +64,7 @@ def validate_job(job: JobConfig) -> JobConfig:
     _choice("stages", None, [None]) if not isinstance(job.stages, list) else None
     for stage in job.stages:
         _choice("stages[]", stage, {"data", "features", "regenerate", "train", "eval", "export"})
-    _choice("heads.type", job.heads.type, {"eagle", "medusa"})
+    _choice("heads.type", job.heads.type, {"eagle", "eagle3", "medusa"})
     _positive("heads.medusa.num_heads", job.heads.medusa.num_heads)
     _positive("heads.medusa.num_layers", job.heads.medusa.num_layers)
     if not 0.0 < job.heads.medusa.loss_decay <= 1.0:
@@ -80,6 +80,20 @@ def validate_job(job: JobConfig) -> JobConfig:
     _positive("heads.eagle.unroll_loss_decay", job.heads.eagle.unroll_loss_decay, allow_zero=True)
     _positive("heads.eagle.fc_learning_rate_scale", job.heads.eagle.fc_learning_rate_scale, allow_zero=True)
     _positive("heads.eagle.loss_vocab_size", job.heads.eagle.loss_vocab_size, allow_zero=True)
+    e3 = job.heads.eagle3
+    _positive("heads.eagle3.ttt_steps", e3.ttt_steps)
+    _positive("heads.eagle3.eval_steps", e3.eval_steps)
+    _positive("heads.eagle3.draft_vocab_size", e3.draft_vocab_size, allow_zero=True)
+    if not 0.0 < e3.loss_decay <= 1.0:
+        raise ConfigError(f"heads.eagle3.loss_decay={e3.loss_decay} must be in (0, 1]")
+    layers = job.model.arch.num_hidden_layers
+    if e3.aux_layer_ids is not None:
+        if not e3.aux_layer_ids:
+            raise ConfigError("heads.eagle3.aux_layer_ids is empty: EAGLE-3 reads at least one target layer "
+                              "(null: the default [2, L//2, L-3])")
+        if layers is not None and any(not 0 <= i < layers for i in e3.aux_layer_ids):
+            raise ConfigError(f"heads.eagle3.aux_layer_ids={e3.aux_layer_ids} must lie in [0, {layers}) "
+                              f"(model.arch.num_hidden_layers={layers}; id i is the stream entering layer i)")
     arch_hidden = job.model.arch.hidden_size
     if job.heads.hidden_size is not None and arch_hidden is not None and job.heads.hidden_size != arch_hidden:
         raise ConfigError(
@@ -148,6 +162,8 @@ def validate_job(job: JobConfig) -> JobConfig:
         _choice("export.native_dtype", job.export.native_dtype, {"bfloat16", "float16", "float32"})
     if job.heads.type == "medusa" and {"eagle", "eagle_vllm"} & set(job.export.formats):
         raise ConfigError("export.formats contains an eagle layout but heads.type=medusa")
-    if job.heads.type == "eagle" and "medusa" in job.export.formats:
-        raise ConfigError("export.formats contains 'medusa' but heads.type=eagle")
+    if job.heads.type != "medusa" and "medusa" in job.export.formats:
+        raise ConfigError(f"export.formats contains 'medusa' but heads.type={job.heads.type}")
+    if job.heads.type == "eagle3" and {"eagle", "eagle_vllm"} & set(job.export.formats):
+        raise ConfigError("export.formats contains an EAGLE-1/2 layout (eagle, eagle_vllm) but heads.type=eagle3")
     return job

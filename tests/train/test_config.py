@@ -71,6 +71,10 @@ def test_unknown_key_or_wrong_type_names_the_key(override, key):
     ("data.overflow=wrap", "data.overflow"),
     ("runtime.top_p=0", "runtime.top_p"),
     ("heads.hidden_size=4096", "heads.hidden_size"),
+    ("heads.eagle3.loss_decay=0", "heads.eagle3.loss_decay"),
+    ("heads.eagle3.ttt_steps=0", "heads.eagle3.ttt_steps"),
+    ("heads.eagle3.aux_layer_ids=[2,15,30]", "heads.eagle3.aux_layer_ids"),  # SmolLM2 has 30 layers
+    ("heads.eagle3.aux_layer_ids=[]", "heads.eagle3.aux_layer_ids"),
 ])
 def test_impossible_values_name_the_key(override, key):
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):

@@ -31,7 +31,7 @@ def _batch():
     return batch
 
 
-def _reference(head, target, batch, features, steps, decay):
+def _reference(head, target, batch, features, steps, decay, evaluation=False):
     """Chain by chain, as a KV-cached draft loop runs it: per step the mean soft-CE over counted
     chains whose target top-1 is a draft id, the hits among all counted chains, the out-of-vocab
     count."""
@@ -40,6 +40,7 @@ def _reference(head, target, batch, features, steps, decay):
     aux, final = split_features(features, len(AUX))
     t2d = head.t2d
     sums, counts, hits, outside = [0.0] * steps, [0] * steps, [0] * steps, [0] * steps
+    greedy, chains = [0] * steps, [0] * steps  # the evaluation's top-1 vs the target's greedy token
     for b in range(ids.shape[0]):
         T = int(attention[b].sum())
         for t in range(T - 2):
@@ -57,6 +58,8 @@ def _reference(head, target, batch, features, steps, decay):
                     continue
                 full = final[b, t + 1 + j] @ parts.lm_head_weight.T  # (V,)
                 draft = head.logits(out[0, 0])  # (Vd,)
+                chains[j] += 1
+                greedy[j] += int(head.to_target_ids(draft.argmax()) == full.argmax())
                 if not t2d[full.argmax()]:
                     outside[j] += 1
                     continue
@@ -65,6 +68,8 @@ def _reference(head, target, batch, features, steps, decay):
                 counts[j] += 1
                 hits[j] += int(draft.argmax() == full[t2d].argmax())
     losses = [s / max(c, 1) for s, c in zip(sums, counts)]
+    if evaluation:
+        return greedy, chains
     return sum(decay**j * loss for j, loss in enumerate(losses)), losses, hits, outside
 
 
@@ -150,3 +155,24 @@ def test_draft_vocab_teacher_and_loss_by_hand():
     assert [h.tolist() for h in out["hits"]] == [[False, False], [False]]
     out["loss"].backward()
     assert hidden.grad[1].abs().sum() == 0 and hidden.grad[0].abs().sum() > 0
+
+
+def test_held_out_counts_match_the_draft_loop_and_miss_outside_the_vocabulary(target):
+    from train.evaluate import eagle3_eval_counts, summarize
+
+    vocab = torch.randperm(128)[:64].sort().values
+    head = _head(target, vocab, seed=3).eval()
+    batch = _batch()
+    features = OnlineFeatures(target, feature_layers(AUX))(batch)
+    parts = FrozenParts.from_target(target)
+    truths: list = []
+    counts = eagle3_eval_counts(head, parts, batch, features, 3, truths)
+    greedy, chains = _reference(head, target, batch, features, 3, 0.0, evaluation=True)
+    assert counts[:, 0].tolist() == greedy and counts[:, 2].tolist() == chains == [18, 17, 15]
+    assert (counts[:, 1] >= counts[:, 0]).all()
+    torch.testing.assert_close(eagle3_eval_counts(head, parts, batch, features, 3, truths), counts)  # cached truths
+    # a target token outside the draft vocabulary is a miss even in the top-5
+    outside = int((~head.t2d[truths[0]]).sum())
+    assert 0 < outside and counts[0, 1] <= counts[0, 2] - outside
+    metrics = summarize(counts, "eagle3")
+    assert set(metrics) >= {"eval/top1_step0", "eval/top5_step2", "eval/acceptance_length"}
