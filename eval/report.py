@@ -53,15 +53,17 @@ def markdown_table(report: dict) -> str:
             f"| {_fmt(row['tokens_per_second'])} "
             f"| {_fmt(row['speedup_vs_plain'])} | {_fmt(row['speedup_vs_transformers'])} "
             f"| {_fmt(row.get('greedy_identical'))} |")
-    depth_rows = [r for r in report["drafters"] if r.get("acceptance_per_depth") and not r["sweep"]]
+    depth_rows = _depth_rows(report)
     if depth_rows:
         width = max(len(r["acceptance_per_depth"]) for r in depth_rows)
-        lines += ["", "Acceptance per depth (fraction of steps accepting at least d drafted tokens):", "",
-                  "| method | " + " | ".join(f"d={d}" for d in range(1, width + 1)) + " |",
-                  "| --- |" + " --- |" * width]
+        lines += ["", "Acceptance per depth (fraction of speculative steps accepting at least d drafted tokens; "
+                  "speculated = fraction of steps that speculated):", "",
+                  "| method | speculated | " + " | ".join(f"d={d}" for d in range(1, width + 1)) + " |",
+                  "| --- | --- |" + " --- |" * width]
         for row in depth_rows:
             values = row["acceptance_per_depth"] + [None] * (width - len(row["acceptance_per_depth"]))
-            lines.append(f"| {row['name']} | " + " | ".join(_fmt(v) for v in values) + " |")
+            lines.append(f"| {row['name']} | {_fmt(row.get('speculated_fraction'))} | "
+                         + " | ".join(_fmt(v) for v in values) + " |")
     lines += _budget_lines(report.get("eagle_tree_budget"))
     lines += ["", "Notes:", ""] + [f"- {note}" for note in report.get("notes", [])]
     mismatched = [r["name"] for r in report["drafters"] if r.get("greedy_identical") is False]
@@ -88,52 +90,75 @@ def _budget_lines(budget: dict | None) -> list[str]:
     return lines
 
 
+def _depth_rows(report: dict) -> list[dict]:
+    return [r for r in report["drafters"] if r.get("acceptance_per_depth") and not r["sweep"]]
+
+
 def _tree_points(report: dict) -> list[tuple[int, dict]]:
     rows = [r for r in report["drafters"] if r["name"].startswith("eagle_tree")]
     return sorted((r["settings"]["total_tokens"], r) for r in rows)
 
 
 def plot_acceptance(report: dict, path: Path) -> Path:
+    """Acceptance per depth over speculative steps (left) beside the fraction of steps that
+    speculated (right): together they say how good the drafts are and how often they were used."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    figure, axis = plt.subplots(figsize=(6, 4))
-    for row in report["drafters"]:
-        if row.get("acceptance_per_depth") and not row["sweep"]:
-            values = row["acceptance_per_depth"]
-            axis.plot(range(1, len(values) + 1), values, marker="o", label=f"{row['name']} (τ={row['tau']:.2f})")
+    rows = _depth_rows(report)
+    figure, (axis, share) = plt.subplots(1, 2, figsize=(8, 4), gridspec_kw={"width_ratios": [3, 1]})
+    colors = []
+    for row in rows:
+        values = row["acceptance_per_depth"]
+        tau = row.get("tau_when_speculating") or row.get("tau")
+        line, = axis.plot(range(1, len(values) + 1), values, marker="o",
+                          label=f"{row['name']} (τ={tau:.2f} when speculating)")
+        colors.append(line.get_color())
+    axis.xaxis.get_major_locator().set_params(integer=True)
     axis.set_xlabel("depth d")
-    axis.set_ylabel("fraction of steps accepting ≥ d drafts")
+    axis.set_ylabel("fraction of speculative steps accepting ≥ d drafts")
     axis.set_ylim(0, 1)
     axis.set_title("Acceptance per depth")
     axis.grid(alpha=0.3)
     if axis.lines:
         axis.legend(fontsize=8)
+    shown = [(row["name"], row["speculated_fraction"], color) for row, color in zip(rows, colors)
+             if row.get("speculated_fraction") is not None]
+    bars = share.barh([name for name, _, _ in shown], [value for _, value, _ in shown],
+                      color=[color for _, _, color in shown])
+    share.bar_label(bars, labels=[f"{value:.0%}" for _, value, _ in shown], fontsize=8, padding=2)
+    share.set_xlim(0, 1.25)
+    share.set_xticks([0, 0.5, 1])
+    share.invert_yaxis()  # same order as the legend
+    share.set_xlabel("fraction of steps")
+    share.set_title("Speculated")
+    share.tick_params(axis="y", labelsize=8)
     figure.tight_layout()
     figure.savefig(path, dpi=110)
     plt.close(figure)
     return path
 
 
-def plot_speedup_vs_tree_size(report: dict, path: Path) -> Path:
+def plot_speedup_vs_tree_size(report: dict, path: Path) -> Path | None:
+    """Speedup and τ against the EAGLE tree size; None (no plot) with fewer than two sizes measured,
+    where a curve would be a single dot (the table has that one figure)."""
+    points = _tree_points(report)
+    if len(points) < 2:
+        return None
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    points = _tree_points(report)
     figure, axis = plt.subplots(figsize=(6, 4))
-    if points:
-        sizes = [size for size, _ in points]
-        axis.plot(sizes, [r["speedup_vs_plain"] or 0.0 for _, r in points], marker="o", label="speedup vs plain")
-        axis.plot(sizes, [r.get("tau", 1.0) for _, r in points], marker="s", linestyle="--", label="τ (bonus incl.)")
-        axis.set_xscale("log", base=2)
-        axis.set_xticks(sizes, [str(s) for s in sizes])
-        axis.legend(fontsize=8)
-    else:
-        axis.text(0.5, 0.5, "no eagle_tree measurement", ha="center", va="center", transform=axis.transAxes)
+    sizes = [size for size, _ in points]
+    axis.plot(sizes, [r["speedup_vs_plain"] or 0.0 for _, r in points], marker="o", label="speedup vs plain")
+    axis.plot(sizes, [r.get("tau", 1.0) for _, r in points], marker="s", linestyle="--", label="τ (bonus incl.)")
+    axis.set_xscale("log", base=2)
+    axis.set_xticks(sizes, [str(s) for s in sizes])
+    axis.legend(fontsize=8)
     axis.axhline(1.0, color="gray", linewidth=0.8)
     axis.set_xlabel("tree size (total_tokens, root included)")
     axis.set_title("EAGLE-2 tree: speedup vs tree size")
@@ -145,17 +170,21 @@ def plot_speedup_vs_tree_size(report: dict, path: Path) -> Path:
 
 
 def write_report(report: dict, out_dir: str | Path) -> dict[str, Path]:
-    """Write report.json, report.md, acceptance_per_depth.png, speedup_vs_tree_size.png; log to
-    W&B when a run is active. Returns the paths by kind."""
+    """Write report.json, report.md, acceptance_per_depth.png and, with two or more EAGLE tree
+    sizes measured, speedup_vs_tree_size.png; log to W&B when a run is active. Returns the paths
+    by kind."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = {"json": out_dir / "report.json", "markdown": out_dir / "report.md",
-             "acceptance_plot": out_dir / "acceptance_per_depth.png",
-             "speedup_plot": out_dir / "speedup_vs_tree_size.png"}
+             "acceptance_plot": out_dir / "acceptance_per_depth.png"}
     paths["json"].write_text(json.dumps(report, indent=2, default=str))
     paths["markdown"].write_text(markdown_table(report))
     plot_acceptance(report, paths["acceptance_plot"])
-    plot_speedup_vs_tree_size(report, paths["speedup_plot"])
+    speedup = out_dir / "speedup_vs_tree_size.png"
+    if plot_speedup_vs_tree_size(report, speedup) is not None:
+        paths["speedup_plot"] = speedup
+    else:
+        speedup.unlink(missing_ok=True)  # an earlier report's plot in this folder would describe another run
     log_to_wandb(report, paths)
     return paths
 
@@ -180,6 +209,7 @@ def log_to_wandb(report: dict, paths: dict[str, Path]) -> bool:
         metrics["eval/eagle_tree_total_tokens"] = report["eagle_tree_budget"]["chosen"]
     metrics["eval/table"] = table
     metrics["eval/acceptance_per_depth"] = wandb.Image(str(paths["acceptance_plot"]))
-    metrics["eval/speedup_vs_tree_size"] = wandb.Image(str(paths["speedup_plot"]))
+    if "speedup_plot" in paths:
+        metrics["eval/speedup_vs_tree_size"] = wandb.Image(str(paths["speedup_plot"]))
     wandb.log(metrics)
     return True

@@ -191,14 +191,16 @@ def summarize(results: list[GenerationResult], reference: list[list[int]] | None
     }
     if steps:
         depth = max(max(r.tree_sizes) for r in results if r.tree_sizes)
-        max_accepted = max(steps)
         speculated = [a for r in results for a, size in zip(r.accepted, r.tree_sizes) if size > 0]
+        # Per speculative step: the gate's plain steps accept nothing by construction, and counting
+        # them would show a head that drafts well but rarely speculates as one that drafts badly.
+        depths = range(1, min(depth, max(speculated, default=0) + 1) + 1) if speculated else range(0)
         summary.update(
             steps=len(steps),
             tau=sum(a + 1 for a in steps) / len(steps),
             speculated_fraction=len(speculated) / len(steps),
             tau_when_speculating=sum(a + 1 for a in speculated) / len(speculated) if speculated else None,
-            acceptance_per_depth=[sum(a >= d for a in steps) / len(steps) for d in range(1, min(depth, max_accepted + 1) + 1)],
+            acceptance_per_depth=[sum(a >= d for a in speculated) / len(speculated) for d in depths],
             mean_tree_size=sum(s for r in results for s in r.tree_sizes) / len(steps),
             draft_ms_per_step=1000 * sum(t for r in results for t in r.draft_times) / len(steps),
             verify_ms_per_step=1000 * sum(t for r in results for t in r.verify_times) / len(steps),
@@ -306,7 +308,8 @@ def _assemble(methods: list[Method], summaries: dict, runtime: RuntimeConfig, ta
             "tau = tokens committed per target forward, bonus token INCLUDED (plain decoding = 1.0).",
             "tokens/s = decode throughput after the first token (prefill excluded), summed over prompts.",
             "speedups are ratios of tokens/s measured in this run, methods interleaved per prompt.",
-            "acceptance_per_depth[d-1] = fraction of steps that accepted at least d drafted tokens.",
+            "acceptance_per_depth[d-1] = fraction of speculative steps that accepted at least d drafted tokens "
+            "(plain steps of the fallback gate are left out; `speculated` says how many steps speculated).",
             "speculated = fraction of target forwards that verified drafts; the rest were plain decode steps "
             "(fallback: speculation off while it does not pay, or no draft, e.g. no prompt-lookup match); "
             "tau_when_speculating counts those steps only.",

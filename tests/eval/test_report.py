@@ -49,9 +49,32 @@ def test_write_report_files(tmp_path):
     assert json.loads(paths["json"].read_text())["drafters"][0]["tau"] == 2.6
     for kind in ("acceptance_plot", "speedup_plot"):
         assert paths[kind].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    # No eagle_tree rows: the speedup plot still renders (with a note).
-    write_report(report(drafters=[_row("eagle_chain")]), tmp_path / "chain_only")
-    assert (tmp_path / "chain_only" / "speedup_vs_tree_size.png").is_file()
+    # One tree size (or none): no curve of one dot, and no earlier run's plot left beside the new report.
+    for drafters in ([_row("eagle_tree", 16)], [_row("eagle_chain")]):
+        paths = write_report(report(drafters=drafters), tmp_path / "out")
+        assert "speedup_plot" not in paths and not (tmp_path / "out" / "speedup_vs_tree_size.png").exists()
+        assert paths["acceptance_plot"].is_file()
+
+
+def test_acceptance_per_depth_counts_speculative_steps_only():
+    from eval.generate import GenerationResult
+    from eval.run import summarize
+
+    # Four steps: two speculative (3 then 1 accepted of 4 drafted), two plain steps of the gate.
+    result = GenerationResult(tokens=list(range(8)), prefill_time=0.1, total_time=1.0, accepted=[3, 0, 1, 0],
+                              tree_sizes=[4, 0, 4, 0], draft_times=[0.0] * 4, verify_times=[0.1] * 4)
+    summary = summarize([result], None)
+    assert summary["speculated_fraction"] == 0.5 and summary["tau_when_speculating"] == 3.0
+    assert summary["acceptance_per_depth"] == [1.0, 0.5, 0.5, 0.0]  # not [0.5, 0.25, 0.25, 0.0]
+    assert summary["tau"] == 2.0
+    never = GenerationResult(tokens=[1, 2], accepted=[0, 0], tree_sizes=[0, 0], draft_times=[0.0] * 2,
+                             verify_times=[0.1] * 2, total_time=1.0)
+    assert summarize([never], None)["acceptance_per_depth"] == []
+
+
+def test_depth_table_shows_the_speculated_fraction():
+    row = {**_row("eagle_tree", 16), "speculated_fraction": 0.06}
+    assert "| eagle_tree | 0.06 | 0.80 | 0.50 | 0.20 |" in markdown_table(report(drafters=[row]))
 
 
 def test_wandb_logging_only_with_an_active_run(tmp_path, monkeypatch):
