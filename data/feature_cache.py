@@ -105,7 +105,8 @@ def _check_spec(directory: Path, spec: CacheSpec) -> None:
 
 @torch.no_grad()
 def _shard_tensors(target: FeatureTarget, rows: Sequence[dict], spec: CacheSpec, batch_size: int,
-                   pad_id: int, device) -> dict[str, torch.Tensor]:
+                   pad_id: int, device, advance=lambda records: None) -> dict[str, torch.Tensor]:
+    """`advance(n)` after each batch of n records (a progress bar's update)."""
     dtype = _DTYPES[spec.dtype]
     parts: dict[str, list[torch.Tensor]] = {}
     for start in range(0, len(rows), batch_size):
@@ -129,6 +130,7 @@ def _shard_tensors(target: FeatureTarget, rows: Sequence[dict], spec: CacheSpec,
             if spec.top_k:
                 parts.setdefault("topk_values", []).append(values[b, :n].to("cpu", dtype))
                 parts.setdefault("topk_indices", []).append(indices[b, :n].to("cpu", torch.int32))
+        advance(len(chunk))
     tensors = {key: torch.cat(value).contiguous() for key, value in parts.items()}
     lengths = torch.tensor([0] + [len(row["input_ids"]) for row in rows])
     tensors["offsets"] = torch.cumsum(lengths, 0).to(torch.int64)
@@ -169,13 +171,17 @@ def write_feature_cache(directory: str | os.PathLike, target: FeatureTarget, row
         print(message, flush=True)
     check_disk(directory, needed)
     written = []
-    for s in tqdm(missing, desc=f"features rank {rank}", unit="shard", disable=not progress):
+    # Counted in records, updated per batch: a shard of a large target takes minutes.
+    records = sum(min(shard_records, len(rows) - s * shard_records) for s in missing)
+    bar = tqdm(total=records, desc=f"features rank {rank}", unit="record", disable=not progress)
+    for s in missing:
         chunk = rows[s * shard_records:(s + 1) * shard_records]
-        tensors = _shard_tensors(target, chunk, spec, batch_size, pad_id, device)
+        tensors = _shard_tensors(target, chunk, spec, batch_size, pad_id, device, bar.update)
         tmp = directory / f".{shard_name(s)}.tmp-{os.getpid()}"
         save_file(tensors, str(tmp), metadata={"ids": json.dumps([str(r["id"]) for r in chunk])})
         os.replace(tmp, directory / shard_name(s))
         written.append(s)
+    bar.close()
     return {"written": written, "skipped": [s for s in shards if s not in written], "estimate_bytes": total}
 
 

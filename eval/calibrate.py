@@ -53,10 +53,18 @@ def monotone_costs(costs: dict[int, float]) -> dict[int, float]:
     return out
 
 
-def _greedy_sequences(lean: LeanLlama, prompts, max_new_tokens: int, eos) -> tuple[list[torch.Tensor], list[int]]:
+def _bar(items, description: str, progress: bool):
+    """A progress bar over calibration prompts: each costs up to max_new_tokens target forwards."""
+    from tqdm.auto import tqdm
+
+    return tqdm(items, desc=f"calibration: {description}", unit="prompt", disable=not progress, leave=False)
+
+
+def _greedy_sequences(lean: LeanLlama, prompts, max_new_tokens: int, eos,
+                      progress: bool = False) -> tuple[list[torch.Tensor], list[int]]:
     """Calibration data: (prompt + plain greedy continuation) for the first CALIBRATION_PROMPTS prompts."""
     sequences, lengths = [], []
-    for prompt in prompts[:CALIBRATION_PROMPTS]:
+    for prompt in _bar(prompts[:CALIBRATION_PROMPTS], "greedy continuations", progress):
         tokens = plain_generate(lean, prompt, max_new_tokens, SamplingConfig(), eos).tokens
         sequences.append(torch.cat([prompt, torch.tensor(tokens)]))
         lengths.append(prompt.shape[0])
@@ -72,19 +80,22 @@ def choose_tree_budget(verify_seconds: dict[int, float], accepted: dict[int, flo
     return max(values, key=lambda n: (values[n], -n)), values
 
 
-def eagle_tree_budget(head, lean: LeanLlama, runtime: RuntimeConfig, prompts, eos, draft_vocab) -> tuple[int, dict]:
+def eagle_tree_budget(head, lean: LeanLlama, runtime: RuntimeConfig, prompts, eos, draft_vocab,
+                      progress: bool = False) -> tuple[int, dict]:
     """runtime.tree_total_tokens "auto": the budget from the measured verification-cost curve of
-    this machine and the head's teacher-forced acceptance per budget on calibration prompts."""
+    this machine and the head's teacher-forced acceptance per budget on calibration prompts
+    (`progress`: bars over the calibration prompts)."""
     budgets = sorted(set(runtime.tree_auto_sizes))
     if not budgets or budgets[0] < 2:
         raise ValueError(f"runtime.tree_auto_sizes must be total_tokens budgets >= 2, got {runtime.tree_auto_sizes}")
     top_k = runtime.tree_top_k
     largest = 1 + top_k + (runtime.tree_depth - 1) * top_k * top_k  # root + every node the expansion drafts
     budgets = [n for n in budgets if n <= largest] or [largest]
-    sequences, lengths = _greedy_sequences(lean, prompts, runtime.max_new_tokens, eos)
+    sequences, lengths = _greedy_sequences(lean, prompts, runtime.max_new_tokens, eos, progress)
     drafter = EagleDrafter(head, lean, mode="tree", depth=runtime.tree_depth, top_k=top_k, total_tokens=budgets[-1],
                            draft_vocab=draft_vocab)
-    measured = measure_tree_acceptance(drafter, sequences, lengths, budgets)
+    measured = measure_tree_acceptance(drafter, _bar(sequences, "tree acceptance per size", progress), lengths,
+                                       budgets)
     costs = verify_costs(lean, prompts[0], (1, *budgets))
     per_level = measured["expand_seconds"] / measured["levels"]
     draft = {n: measured["catch_up_seconds"] + per_level * min(runtime.tree_depth, n - 1) for n in budgets}
@@ -102,7 +113,8 @@ def eagle_tree_budget(head, lean: LeanLlama, runtime: RuntimeConfig, prompts, eo
     }
 
 
-def medusa_choices(heads: MedusaHeads, lean: LeanLlama, runtime: RuntimeConfig, prompts, eos, draft_vocab):
+def medusa_choices(heads: MedusaHeads, lean: LeanLlama, runtime: RuntimeConfig, prompts, eos, draft_vocab,
+                   progress: bool = False):
     """runtime.medusa_choices "auto": the static tree (of MEDUSA_AUTO_SIZES nodes) with the most expected
     tokens per plain-step time from measured rank accuracies and verification costs; else the named
     or JSON tree. Returns (choices, report fields)."""
@@ -110,7 +122,7 @@ def medusa_choices(heads: MedusaHeads, lean: LeanLlama, runtime: RuntimeConfig, 
         return parse_choices(runtime.medusa_choices), {}
     chain = [(0,) * (k + 1) for k in range(heads.config.num_heads)]
     probe = MedusaDrafter(heads, lean, chain, draft_vocab)
-    sequences, lengths = _greedy_sequences(lean, prompts, runtime.max_new_tokens, eos)
+    sequences, lengths = _greedy_sequences(lean, prompts, runtime.max_new_tokens, eos, progress)
     accuracies = measure_rank_accuracies(probe, sequences, lengths, top=10)
     costs = verify_costs(lean, prompts[0], (1, *(n + 1 for n in MEDUSA_AUTO_SIZES)))  # root + n nodes
     trees = {n: build_tree_from_accuracies(accuracies, n) for n in MEDUSA_AUTO_SIZES}

@@ -88,9 +88,9 @@ def _draft_cost(lean: LeanLlama, layers: int) -> float:
 
 
 def build_methods(names: Sequence[str], runtime: RuntimeConfig, lean: LeanLlama, head=None, prompts=(),
-                  eos=(), draft_vocab=None) -> tuple[list[Method], dict]:
+                  eos=(), draft_vocab=None, progress: bool = False) -> tuple[list[Method], dict]:
     """Drafter names -> Methods (plain first). Head drafters whose head is missing are skipped
-    with a warning. Returns (methods, extra report fields)."""
+    with a warning. Returns (methods, extra report fields). `progress`: bars over the calibrations."""
     names, methods, extra = list(names), [Method("plain", None)], {}
     gate = {"fallback": runtime.fallback}
     plain_seconds = _plain_seconds(lean, prompts) if runtime.fallback and set(names) & set(GATED_DRAFTERS) else 0.0
@@ -119,7 +119,8 @@ def build_methods(names: Sequence[str], runtime: RuntimeConfig, lean: LeanLlama,
             tree, initial_tau = {"top_k": runtime.tree_top_k, "depth": runtime.tree_depth, **vocab}, 2.0
             total = _fixed_tree_total_tokens(runtime)
             if total is None:
-                total, extra["eagle_tree_budget"] = eagle_tree_budget(head, lean, runtime, prompts, eos, draft_vocab)
+                total, extra["eagle_tree_budget"] = eagle_tree_budget(head, lean, runtime, prompts, eos, draft_vocab,
+                                                                        progress)
                 initial_tau = extra["eagle_tree_budget"]["expected_tau_by_size"][total]
                 tree["total_tokens_auto"] = True
             methods.append(Method(name, _gated(lambda total=total: _eagle(head, lean, "tree", runtime, total, draft_vocab),
@@ -132,7 +133,7 @@ def build_methods(names: Sequence[str], runtime: RuntimeConfig, lean: LeanLlama,
                                           lambda size=size: _eagle(head, lean, "tree", runtime, size, draft_vocab),
                                           settings={**tree, "total_tokens": size, "fallback": False}, sweep=True))
         elif name == "medusa":
-            choices, calibration = medusa_choices(head, lean, runtime, prompts, eos, draft_vocab)
+            choices, calibration = medusa_choices(head, lean, runtime, prompts, eos, draft_vocab, progress)
             extra["medusa"] = {"choices": [list(c) for c in choices], **calibration}
             verification = "typical" if runtime.typical_acceptance else "lossless"
             methods.append(Method(name, _gated(lambda choices=choices: MedusaDrafter(head, lean, choices, draft_vocab),
@@ -237,7 +238,7 @@ def evaluate(target, prompts: Sequence[Sequence[int]], drafter_specs: Sequence[s
     max_len = max(p.shape[0] for p in prompts) + runtime.max_new_tokens + longest_tree + 8
     lean = LeanLlama.from_hf(target.model, max_seq_len=max_len, attention=runtime.attention)
     methods, extra = build_methods(list(drafter_specs or runtime.drafters), runtime, lean, head, prompts,
-                                   eos_token_ids, draft_vocab)
+                                   eos_token_ids, draft_vocab, progress)
     compare_hf = runtime.compare_transformers
     names = [m.name for m in methods] + (["transformers"] if compare_hf else [])
     results: dict[str, list[GenerationResult]] = {name: [] for name in names}

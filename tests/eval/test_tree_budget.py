@@ -102,3 +102,16 @@ def test_verification_costs_never_fall_with_more_tokens(setup):
     _, lean, _ = setup
     costs = verify_costs(lean, torch.arange(3, 10), (1, 2, 4), repeats=2)
     assert list(costs) == [1, 2, 4] and costs[1] <= costs[2] <= costs[4]
+
+
+def test_calibration_shows_progress_per_prompt(setup, monkeypatch):
+    import tqdm.auto
+
+    from eval.calibrate import eagle_tree_budget
+
+    bars = []
+    monkeypatch.setattr(tqdm.auto, "tqdm", lambda items, desc, disable, **options: bars.append((desc, disable)) or items)
+    target, lean, head = setup
+    runtime = RuntimeConfig(max_new_tokens=6, tree_top_k=2, tree_depth=2, tree_auto_sizes=[2, 4])
+    eagle_tree_budget(head, lean, runtime, prompts(2), [], None, progress=True)
+    assert bars == [("calibration: greedy continuations", False), ("calibration: tree acceptance per size", False)]

@@ -47,6 +47,28 @@ def test_cache_round_trip_matches_the_target(tmp_path):
     assert record["topk_indices"].tolist() == expected.logits[0].topk(3, dim=-1).indices.tolist()
 
 
+def test_progress_counts_records_per_batch(tmp_path, monkeypatch):
+    import tqdm.auto
+
+    bars = []
+
+    class Bar:
+        def __init__(self, total, **options):
+            self.total, self.updates = total, []
+            bars.append(self)
+
+        def update(self, n):
+            self.updates.append(n)
+
+        def close(self):
+            pass
+
+    monkeypatch.setattr(tqdm.auto, "tqdm", Bar)
+    write_feature_cache(tmp_path, tiny_target(), _rows(10), dtype="float32", shard_records=4, batch_size=3)
+    (bar,) = bars
+    assert bar.total == 10 and bar.updates == [3, 1, 3, 1, 2]  # shards of 4, 4, 2 records in batches of 3
+
+
 def test_bf16_cache_is_half_the_size(tmp_path):
     target, rows = tiny_target(), _rows(6)
     for dtype in ("bfloat16", "float32"):
