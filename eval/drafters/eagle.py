@@ -1,9 +1,12 @@
-"""EAGLE drafting with a trained `heads.eagle.EagleHead` over the target's embedding and lm_head.
+"""EAGLE drafting with a trained head over the target's embedding: `heads.eagle.EagleHead`
+(EAGLE-1/2, logits through the target's lm_head) or `heads.eagle3.Eagle3Head` (EAGLE-3, its own
+norm and lm_head over a draft vocabulary).
 
-Alignment (as in training): the head input at position t is (embed(x_{t+1}), f_t), f_t the target's
-final post-norm hidden state at t; its output f̂_{t+1} gives logits for x_{t+2} through the target's
-lm_head. With T committed tokens (root x_{T-1}), the first draft x_T comes from the head's output at
-position T-2, and a draft at tree depth d is fed at position T-2+d with its parent's f̂.
+Alignment (as in training): the head input at position t is (embed(x_{t+1}), the target's features
+at t): f_t, the final post-norm hidden state (EAGLE-1/2), or the residual streams entering the
+head's `aux_layer_ids` layers, concatenated (EAGLE-3). Its output at t gives logits for x_{t+2}.
+With T committed tokens (root x_{T-1}), the first draft x_T comes from the head's output at position
+T-2, and a draft at tree depth d is fed at position T-2+d with its parent's output as hidden input.
 
 The head runs as `LeanEagleHead` (preallocated K/V, fused and transposed weights) and keeps its own
 KV cache of committed positions 0..T-2, always computed from the target's true features: each
@@ -11,10 +14,12 @@ KV cache of committed positions 0..T-2, always computed from the target's true f
 + accepted path) with their target features, then drafts; draft entries never enter the committed
 cache, so after any number of steps it equals a fresh recompute.
 
-`draft_vocab` (optional, (Vd,) token ids, e.g. the most frequent tokens of the training replies)
-restricts the draft's vocabulary projection to those rows: on a CPU the full lm_head read dominates a
-draft step. Verification stays lossless (drafts are only proposals; sampled drafts report their
-distribution with zeros outside the subset).
+Draft vocabulary: an EAGLE-3 head's logits cover its Vd ids, mapped to target ids through d2t
+before verification. For EAGLE-1/2, `draft_vocab` (optional, (Vd,) token ids, e.g. the most
+frequent tokens of the training replies) restricts the target lm_head to those rows: on a CPU the
+full lm_head read dominates a draft step. Verification stays lossless either way (drafts are only
+proposals; sampled drafts report their distribution over the target vocabulary, zero outside the
+draft vocabulary).
 
 Modes: `chain` (depth tokens, argmax, or sampled with draft_probs when the target samples) and
 `tree` (EAGLE-2 dynamic tree: top_k, depth, total_tokens; deterministic top-k drafts, verified with
@@ -29,36 +34,32 @@ import torch
 
 from eval.drafters import Candidates, DraftState
 from eval.drafters.lean_head import LeanEagleHead
-from eval.model import LeanLlama, Linear
+from eval.model import LeanLlama
 from eval.sampling import SamplingConfig, probabilities, sample
 from heads.eagle import EagleHead
+from heads.eagle3 import Eagle3Head
 
 MODES = ("chain", "tree")
 
 
 class EagleDrafter:
-    feature_layers: tuple[int, ...] = (-1,)
+    """feature_layers: (-1,) for an EAGLE-1/2 head, the head's aux_layer_ids for EAGLE-3."""
 
-    def __init__(self, head: EagleHead, target: LeanLlama, mode: str = "tree", depth: int = 4,
+    def __init__(self, head: EagleHead | Eagle3Head, target: LeanLlama, mode: str = "tree", depth: int = 4,
                  top_k: int = 4, total_tokens: int = 16, draft_vocab: torch.Tensor | None = None):
         if mode not in MODES:
             raise ValueError(f"eagle drafter: mode must be one of {MODES}, got {mode!r}")
         if depth < 1 or top_k < 1 or total_tokens < 2:
             raise ValueError("eagle drafter: need depth >= 1, top_k >= 1, total_tokens >= 2")
-        if head.config.hidden_size != target.config.hidden_size or head.config.vocab_size != target.config.vocab_size:
-            raise ValueError("eagle drafter: head and target disagree on hidden_size or vocab_size")
-        if target.lm_head.bias is not None:
-            raise ValueError("eagle drafter: an lm_head with bias is not supported")
+        _check_head(head, target)
         self.head, self.target = head.eval(), target
         self.mode, self.depth, self.top_k, self.total_tokens = mode, depth, top_k, total_tokens
         self.dtype = next(head.parameters()).dtype
-        self.runtime = LeanEagleHead(head, capacity=target.config.max_seq_len)
+        lm_head = None if isinstance(head, Eagle3Head) else target.lm_head
+        self.runtime = LeanEagleHead(head, capacity=target.config.max_seq_len, lm_head=lm_head, draft_vocab=draft_vocab)
+        self.feature_layers = self.runtime.feature_layers
+        self.vocab = self.runtime.vocab  # (Vd,) target ids of the draft logits' columns, or None
         self.catch_up_output: torch.Tensor | None = None
-        self.vocab = None if draft_vocab is None else torch.as_tensor(draft_vocab, dtype=torch.long)
-        if self.vocab is None:
-            self.projection = target.lm_head
-        else:  # (Vd, D) rows of the target's lm_head; oneDNN-packed for the multi-row tree expansions
-            self.projection = Linear(target.lm_head.weight_t[:, self.vocab].t(), pack=True)
 
     @property
     def cache_length(self) -> int:
@@ -66,7 +67,7 @@ class EagleDrafter:
 
     @property
     def past(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The committed head cache (k, v), each (1, nKV, C, hd), as `EagleHead` lays out its past."""
+        """The committed head cache (k, v), each (1, nKV, C, hd), as the head lays out its past."""
         return self.runtime.committed_kv
 
     def reset(self, prompt: torch.Tensor) -> None:
@@ -75,24 +76,34 @@ class EagleDrafter:
     def _embed(self, tokens: torch.Tensor) -> torch.Tensor:
         return self.target.embedding[tokens].to(self.dtype)
 
-    def _logits(self, features: torch.Tensor) -> torch.Tensor:
-        """(n, D) predicted features -> (n, Vd) float logits through the target's lm_head (rows of
-        draft_vocab only, when given; map indices back with `_token_ids`)."""
-        return self.projection(features.to(self.target.embedding.dtype)).float()
-
     def _token_ids(self, indices: torch.Tensor) -> torch.Tensor:
+        """Columns of the draft logits -> target token ids (EAGLE-3: i + d2t[i])."""
         return indices if self.vocab is None else self.vocab[indices]
+
+    def _full_distribution(self, q: torch.Tensor) -> torch.Tensor:
+        """(Vd,) draft distribution -> (V,) over target ids, zero outside the draft vocabulary."""
+        if self.vocab is None:
+            return q
+        return q.new_zeros(self.target.config.vocab_size).index_copy_(0, self.vocab, q)
+
+    def committed_features(self, state: DraftState) -> torch.Tensor:
+        """(A, F) the target's feature_layers for tokens[T-1-A : T-1], concatenated in order."""
+        layers = [layer % (state.num_layers + 1) for layer in self.feature_layers]
+        if len(layers) == 1:
+            return state.new_features[layers[0]]
+        return torch.cat([state.new_features[layer] for layer in layers], dim=-1)
 
     @torch.no_grad()
     def catch_up(self, state: DraftState) -> torch.Tensor:
-        """Feed the newly committed positions with the target's features; returns f̂_{T-1} (D,)."""
-        features = state.new_features[state.num_layers]  # (A, D) for tokens[T-1-A : T-1]
+        """Feed the newly committed positions with the target's features; returns the head's
+        output at position T-2 (D,), which scores the first draft."""
+        features = self.committed_features(state)  # (A, F) for tokens[T-1-A : T-1]
         count, length = features.shape[0], state.tokens.shape[0]
         start = length - 1 - count
         if start != self.cache_length:
             raise RuntimeError(f"eagle drafter: head cache holds {self.cache_length} positions, expected {start}")
         out = self.runtime.commit(self._embed(state.tokens[start + 1: length]), features)  # (A, D)
-        self.catch_up_output = out[-1]  # (D,) f̂_{T-1}, kept for inspection
+        self.catch_up_output = out[-1]  # (D,), kept for inspection
         return self.catch_up_output
 
     @torch.no_grad()
@@ -109,15 +120,13 @@ class EagleDrafter:
         length = state.tokens.shape[0]
         tokens, rows = [], []
         for i in range(self.depth):
-            logits = self._logits(feature[None])[0]  # (Vd,)
+            logits = self.runtime.logits(feature[None])[0]  # (Vd,)
             if state.sampling.greedy:
                 token = int(self._token_ids(logits.argmax()))
             else:
-                q = probabilities(logits, state.sampling)
+                q = probabilities(logits, state.sampling)  # (Vd,)
                 token = int(self._token_ids(torch.tensor(sample(q, state.generator))))
-                if self.vocab is not None:  # the distribution over the full vocabulary
-                    q = torch.zeros(self.target.config.vocab_size).index_copy_(0, self.vocab, q)
-                rows.append(q)
+                rows.append(self._full_distribution(q))
             tokens.append(token)
             if i + 1 < self.depth:
                 embed = self._embed(torch.tensor([token]))  # (1, D)
@@ -126,19 +135,19 @@ class EagleDrafter:
         return Candidates.chain(tokens, None if greedy else torch.stack(rows), deterministic=greedy)
 
     def expand(self, state: DraftState, feature: torch.Tensor) -> tuple[list[int], list[int], list[float], list[int]]:
-        """EAGLE-2 expansion from f̂_{T-1} `feature` (D,): expand the top_k best frontier nodes by
+        """EAGLE-2 expansion from the head's output at position T-2 `feature` (D,): expand the top_k best frontier nodes by
         their top_k children per depth (one batched head forward per depth, tree mask over the
         drafted entries), scoring nodes by cumulative draft log-probability. Returns every node's
         (tokens, parents, scores, depths); `select_tree` keeps the best total_tokens - 1."""
         top_k, length, committed = self.top_k, state.tokens.shape[0], self.cache_length
-        logp = torch.log_softmax(self._logits(feature[None]), dim=-1)[0]  # (Vd,)
+        logp = torch.log_softmax(self.runtime.logits(feature[None]), dim=-1)[0]  # (Vd,)
         scores, tokens = logp.topk(top_k)
         tokens = self._token_ids(tokens)
         node_tokens, node_scores = tokens.tolist(), scores.tolist()
         node_parents, node_depths = [-1] * top_k, [1] * top_k
         node_slot: dict[int, int] = {}  # node -> index of its entry among the drafted head K/V
         frontier = list(range(top_k))
-        frontier_features = feature.expand(top_k, -1)  # (n, D): each frontier node's parent's f̂
+        frontier_features = feature.expand(top_k, -1)  # (n, D): each frontier node's parent's output
         for depth in range(2, min(self.depth, self.total_tokens - 1) + 1):  # deeper levels cannot be kept
             n, drafted = len(frontier), len(node_slot)
             mask = torch.zeros(n, committed + drafted + n, dtype=torch.bool)
@@ -153,7 +162,7 @@ class EagleDrafter:
             embeds = self._embed(torch.tensor([node_tokens[i] for i in frontier]))  # (n, D)
             positions = torch.full((n,), length + depth - 3)
             out = self.runtime.draft(embeds, frontier_features, positions, mask)  # (n, D)
-            logp = torch.log_softmax(self._logits(out), dim=-1)  # (n, Vd)
+            logp = torch.log_softmax(self.runtime.logits(out), dim=-1)  # (n, Vd)
             child_scores, child_tokens = logp.topk(top_k, dim=-1)  # (n, K)
             child_tokens = self._token_ids(child_tokens)
             cumulative = torch.tensor([node_scores[i] for i in frontier])[:, None] + child_scores  # (n, K)
@@ -167,6 +176,24 @@ class EagleDrafter:
             frontier = [first + int(i) for i in best]
             frontier_features = out[best // top_k]
         return node_tokens, node_parents, node_scores, node_depths
+
+
+def _check_head(head: EagleHead | Eagle3Head, target: LeanLlama) -> None:
+    c, t = head.config, target.config
+    problems = []
+    if c.hidden_size != t.hidden_size:  # the head embeds with the target's embedding
+        problems.append(f"hidden_size: head {c.hidden_size} vs target {t.hidden_size}")
+    if c.vocab_size != t.vocab_size:
+        problems.append(f"vocab_size: head {c.vocab_size} vs target {t.vocab_size}")
+    if isinstance(head, Eagle3Head):
+        if c.target_hidden_size != t.hidden_size:
+            problems.append(f"target_hidden_size: head {c.target_hidden_size} vs target {t.hidden_size}")
+        if any(not 0 <= layer < t.num_layers for layer in c.aux_layer_ids):
+            problems.append(f"aux_layer_ids {c.aux_layer_ids}: the target has layers 0..{t.num_layers - 1}")
+    elif target.lm_head.bias is not None:
+        problems.append("an lm_head with bias is not supported")
+    if problems:
+        raise ValueError("eagle drafter: head and target disagree: " + "; ".join(problems))
 
 
 def select_tree(tokens: list[int], parents: list[int], scores: list[float], depths: list[int],
@@ -212,17 +239,18 @@ def measure_tree_acceptance(drafter: EagleDrafter, sequences: Sequence[torch.Ten
     Returns {"accepted": {budget: mean accepted drafts}, "catch_up_seconds", "expand_seconds"
     (means per position), "levels" (expansion depth), "positions"}."""
     num_layers = drafter.target.config.num_layers
+    layers = sorted({layer % (num_layers + 1) for layer in drafter.feature_layers})
     levels = min(drafter.depth, drafter.total_tokens - 1)
     totals = {budget: 0 for budget in budgets}
     catch_up_seconds = expand_seconds = 0.0
     positions = 0
     for sequence, prompt_length in zip(sequences, prompt_lengths):
         cache = drafter.target.new_cache(sequence.shape[0])
-        features = drafter.target(sequence, cache, hidden_layers=(-1,), logits="none").hidden[num_layers]  # (T, D)
+        features = drafter.target(sequence, cache, hidden_layers=layers, logits="none").hidden  # {layer: (T, D)}
         drafter.reset(sequence)
         for root in range(prompt_length, sequence.shape[0] - levels):  # committed tokens: sequence[: root + 1]
-            state = DraftState(sequence[: root + 1], root, {num_layers: features[drafter.cache_length: root]},
-                               num_layers, SamplingConfig())
+            new = {layer: features[layer][drafter.cache_length: root] for layer in layers}
+            state = DraftState(sequence[: root + 1], root, new, num_layers, SamplingConfig())
             start = time.perf_counter()
             feature = drafter.catch_up(state)
             middle = time.perf_counter()

@@ -1,5 +1,5 @@
-"""The EAGLE head's decoder layer as a lean forward for drafting (the runtime twin of
-`heads.eagle.EagleHead`, as `eval.model.LeanLlama` is the target's).
+"""The EAGLE heads' decoder layer as a lean forward for drafting (the runtime twin of
+`heads.eagle.EagleHead` and `heads.eagle3.Eagle3Head`, as `eval.model.LeanLlama` is the target's).
 
 Drafting runs the head once per tree level on every speculative step, so its fixed costs count:
 the module path (`nn.Linear`, K/V concatenated onto the past each call, RoPE recomputed per call)
@@ -14,37 +14,128 @@ K/V live in a preallocated buffer:
 `commit` appends positions to the committed part (and drops any drafted entries); `draft` appends
 entries after the drafted ones under an explicit mask. Every position has at least one slot, so
 positions stay below `length + drafted`, and the RoPE table grows with the K/V buffer.
-Numerically it is the head's own forward (tested against `EagleHead` in float64 and fp32).
+
+What differs per head kind sits in one small object (`HeadInputs`): which target layers it reads,
+how they become the layer's hidden input (`project`, at commit), how (embedding, hidden) become the
+attention input and the residual, and the draft logits with their vocabulary. A draft step feeds
+the previous output back as the hidden input for both kinds (EAGLE-1/2: f̂, EAGLE-3: the pre-norm
+output). Numerically it is the heads' own forward (tested against both in float64 and fp32).
 """
 from __future__ import annotations
+
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 
 from eval.model import Linear, RMSNorm, _fused, _rotate
 from heads.eagle import EagleHead
+from heads.eagle3 import Eagle3Head
 
 _GROW = 256  # K/V and RoPE tables grow by at least this many positions when full
 
 
+def _linear(module) -> Linear:
+    return Linear(module.weight, module.bias, pack=True)
+
+
+class HeadInputs(Protocol):
+    """feature_layers: target hidden layers read at commit (transformers numbering, -1 = final
+    post-norm state), concatenated in this order. vocab: (Vd,) target ids of the draft logits'
+    columns, ascending, or None when they are the whole target vocabulary in order."""
+
+    feature_layers: tuple[int, ...]
+    vocab: torch.Tensor | None
+
+    def project(self, features: torch.Tensor) -> torch.Tensor:
+        """(n, F) target features -> (n, D) hidden input of a committed position."""
+
+    def inputs(self, embeds: torch.Tensor, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """embeds, hidden (n, D) -> (attention input (n, D or 2D), residual (n, D))."""
+
+    def logits(self, out: torch.Tensor) -> torch.Tensor:
+        """(n, D) layer outputs -> (n, Vd) float draft logits."""
+
+
+class Eagle1Inputs:
+    """EAGLE-1/2: x = fc(cat(e, f)) is the attention input and the residual; logits through the
+    target's lm_head `lm_head` (rows of `draft_vocab` only, when given; None: no logits)."""
+
+    feature_layers = (-1,)
+
+    def __init__(self, head: EagleHead, lm_head: Linear | None = None, draft_vocab: torch.Tensor | None = None):
+        self.fc = _linear(head.fc)
+        self.vocab = None if draft_vocab is None else torch.as_tensor(draft_vocab, dtype=torch.long)
+        self.projection = lm_head
+        if lm_head is not None and self.vocab is not None:  # (Vd, D) rows, packed for the multi-row tree levels
+            self.projection = Linear(lm_head.weight_t[:, self.vocab].t(), pack=True)
+
+    def project(self, features):
+        return features  # f_t enters fc beside the embedding
+
+    def inputs(self, embeds, hidden):
+        x = self.fc(torch.cat((embeds, hidden), dim=-1))  # (n, D)
+        return x, x
+
+    def logits(self, out):
+        if self.projection is None:
+            raise RuntimeError("lean eagle head: built without the target's lm_head, it has no logits")
+        return self.projection(out.to(self.projection.weight_t.dtype)).float()
+
+
+class Eagle3Inputs:
+    """EAGLE-3: h = fc(cat(aux)) at commit; the layer reads cat(input_layernorm(e), hidden_norm(h))
+    with residual h (or hidden_norm(h) when norm_before_residual); logits = lm_head(norm(out)) over
+    the head's own draft vocabulary (draft id i = target id i + d2t[i])."""
+
+    def __init__(self, head: Eagle3Head):
+        c, layer = head.config, head.midlayer
+        self.feature_layers = tuple(c.aux_layer_ids)
+        self.fc, self.lm_head = _linear(head.fc), _linear(head.lm_head)
+        self.input_norm = RMSNorm(layer.input_layernorm.weight, c.rms_norm_eps)
+        self.hidden_norm = RMSNorm(layer.hidden_norm.weight, c.rms_norm_eps)
+        self.norm = RMSNorm(head.norm.weight, c.rms_norm_eps)
+        self.norm_before_residual = c.norm_before_residual
+        self.vocab = None if c.draft_vocab_size == c.vocab_size else head.draft_ids().detach().clone()
+
+    def project(self, features):
+        return self.fc(features)  # (n, n_aux * Ht) -> (n, D)
+
+    def inputs(self, embeds, hidden):
+        normed = self.hidden_norm(hidden)
+        x = torch.cat((self.input_norm(embeds), normed), dim=-1)  # (n, 2D), embedding first
+        return x, normed if self.norm_before_residual else hidden
+
+    def logits(self, out):
+        return self.lm_head(self.norm(out)).float()
+
+
 class LeanEagleHead:
+    """The lean runtime of an EagleHead (with the target's `lm_head`, optionally over `draft_vocab`,
+    for logits) or an Eagle3Head (its own norm, lm_head and d2t)."""
+
     @torch.no_grad()
-    def __init__(self, head: EagleHead, capacity: int = 1024):
+    def __init__(self, head: EagleHead | Eagle3Head, capacity: int = 1024, lm_head: Linear | None = None,
+                 draft_vocab: torch.Tensor | None = None):
         c = head.config
+        if isinstance(head, Eagle3Head):
+            if lm_head is not None or draft_vocab is not None:
+                raise ValueError("lean eagle head: an EAGLE-3 head drafts with its own lm_head over its own "
+                                 "vocabulary (d2t); lm_head and draft_vocab must be None")
+            self.head_inputs: HeadInputs = Eagle3Inputs(head)
+            layer = head.midlayer
+        else:
+            self.head_inputs = Eagle1Inputs(head, lm_head, draft_vocab)
+            layer = head.layers[0]
+        self.feature_layers, self.vocab = self.head_inputs.feature_layers, self.head_inputs.vocab
         self.heads, self.kv_heads, self.head_dim = c.num_attention_heads, c.num_key_value_heads, c.head_dim
         self.dtype = head.fc.weight.dtype
         self.device = head.fc.weight.device
-        layer = head.layers[0]
         attn, mlp = layer.self_attn, layer.mlp
-
-        def linear(module):
-            return Linear(module.weight, module.bias, pack=True)
-
-        self.fc = linear(head.fc)
-        self.qkv = _fused(linear(attn.q_proj), linear(attn.k_proj), linear(attn.v_proj))
-        self.o = linear(attn.o_proj)
-        self.gate_up = _fused(linear(mlp.gate_proj), linear(mlp.up_proj))
-        self.down = linear(mlp.down_proj)
+        self.qkv = _fused(_linear(attn.q_proj), _linear(attn.k_proj), _linear(attn.v_proj))
+        self.o = _linear(attn.o_proj)
+        self.gate_up = _fused(_linear(mlp.gate_proj), _linear(mlp.up_proj))
+        self.down = _linear(mlp.down_proj)
         eps = c.rms_norm_eps
         self.post_norm = RMSNorm(layer.post_attention_layernorm.weight, eps)
         self.q_norm = RMSNorm(attn.q_norm.weight, eps) if c.qk_norm else None
@@ -80,29 +171,37 @@ class LeanEagleHead:
 
     @property
     def committed_kv(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(k, v), each (1, nKV, length, hd): the committed cache in `EagleHead`'s past layout."""
+        """(k, v), each (1, nKV, length, hd): the committed cache in the heads' past layout."""
         return self.k[None, :, : self.length], self.v[None, :, : self.length]
 
     @torch.no_grad()
     def commit(self, embeds: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
         """Feed positions length..length+n-1 (causal among themselves) and keep them; drafted
-        entries are dropped first. embeds, features: (n, D). Returns f̂ (n, D)."""
+        entries are dropped first. embeds (n, D); features (n, F): the target's `feature_layers`
+        concatenated. Returns the outputs (n, D) (EAGLE-1/2: f̂; EAGLE-3: pre-norm)."""
         self.drafted = 0
         n = embeds.shape[0]
-        out = self._forward(embeds, features, torch.arange(self.length, self.length + n, device=self.device), None)
+        hidden = self.head_inputs.project(features.to(self.dtype))
+        out = self._forward(embeds, hidden, torch.arange(self.length, self.length + n, device=self.device), None)
         self.length += n
         return out
 
     @torch.no_grad()
-    def draft(self, embeds: torch.Tensor, features: torch.Tensor, positions: torch.Tensor,
+    def draft(self, embeds: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
               mask: torch.Tensor | None = None) -> torch.Tensor:
-        """Feed n drafted entries after the current ones. mask: (n, length + drafted + n) bool,
-        True = may attend; None = everything before plus causal among the n. Returns f̂ (n, D)."""
-        out = self._forward(embeds, features, positions, mask)
+        """Feed n drafted entries after the current ones; hidden (n, D): the parents' outputs.
+        mask: (n, length + drafted + n) bool, True = may attend; None = everything before plus
+        causal among the n. Returns the outputs (n, D)."""
+        out = self._forward(embeds, hidden.to(self.dtype), positions, mask)
         self.drafted += embeds.shape[0]
         return out
 
-    def _forward(self, embeds, features, positions, mask):
+    @torch.no_grad()
+    def logits(self, out: torch.Tensor) -> torch.Tensor:
+        """(n, D) outputs -> (n, Vd) float draft logits; column j is target id vocab[j] (or j)."""
+        return self.head_inputs.logits(out)
+
+    def _forward(self, embeds, hidden, positions, mask):
         n, H, Hkv, hd = embeds.shape[0], self.heads, self.kv_heads, self.head_dim
         start = self.length + self.drafted
         end = start + n
@@ -112,7 +211,7 @@ class LeanEagleHead:
             mask = torch.ones(n, end, dtype=torch.bool, device=self.device).tril_(start)
         elif mask is not None:
             mask = mask.to(self.device)  # drafters build tree masks on the host
-        x = self.fc(torch.cat((embeds.to(self.dtype), features.to(self.dtype)), dim=-1))  # (n, D)
+        x, residual = self.head_inputs.inputs(embeds.to(self.dtype), hidden)
         qkv = self.qkv(x).view(n, H + 2 * Hkv, hd)
         cos, sin = self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)  # (n, 1, hd)
         if self.q_norm is None:
@@ -127,6 +226,6 @@ class LeanEagleHead:
             q.transpose(0, 1)[None], self.k[None, :, :end], self.v[None, :, :end], attn_mask=mask,
             enable_gqa=H != Hkv,
         )  # (1, H, n, hd)
-        x = x + self.o(out[0].transpose(0, 1).reshape(n, H * hd))
+        x = residual + self.o(out[0].transpose(0, 1).reshape(n, H * hd))
         gate, up = self.gate_up(self.post_norm(x)).chunk(2, dim=-1)
         return x + self.down(F.silu(gate) * up)

@@ -1,6 +1,11 @@
-"""EAGLE drafter on a tiny target with a tiny EAGLE head (random, and started from the target's
-last layer so that some drafts are accepted): lossless greedy output, EAGLE-2 tree invariants, and
-a draft KV cache that equals a fresh recompute after several steps."""
+"""EAGLE drafter on tiny targets, for both head kinds: EAGLE-1/2 (`EagleHead`) and EAGLE-3
+(`Eagle3Head`, aux streams, its own lm_head and draft vocabulary). Each kind comes as a random head
+and a warm one that the target accepts (EAGLE-1/2 from the target's last layer; EAGLE-3 from
+`tiny_eagle3_setup`, which agrees most of the time). Checked: lossless greedy output, EAGLE-2 tree
+invariants, a draft KV cache that equals a fresh recompute from the target's own features, tree
+scores equal to the head module's sequential log-probabilities, and the draft vocabulary."""
+from dataclasses import dataclass
+
 import pytest
 import torch
 
@@ -10,20 +15,59 @@ from eval.generate import plain_generate, speculative_generate
 from eval.model import LeanLlama
 from eval.sampling import SamplingConfig
 from heads.eagle import EagleConfig, EagleHead, init_from_target
-from tests.tiny import tiny_target
+from heads.eagle3 import Eagle3Config, Eagle3Head
+from tests.tiny import tiny_eagle3_setup, tiny_target
 
 NEW_TOKENS = 20
+EVEN = torch.arange(0, 128, 2)  # a draft vocabulary of half the target's ids
 
 
-@pytest.fixture(scope="module")
-def setup():
+@dataclass
+class Pair:
+    """A head with the target (and its lean forward) it drafts for."""
+
+    target: object
+    lean: LeanLlama
+    head: torch.nn.Module
+
+    @property
+    def eagle3(self) -> bool:
+        return isinstance(self.head, Eagle3Head)
+
+    def features(self, sequence: torch.Tensor) -> torch.Tensor:
+        """(T, F) what the head reads at each position, from transformers' forward (as training does)."""
+        layers = self.head.config.aux_layer_ids if self.eagle3 else [-1]
+        hidden = self.target.features(sequence[None], layers=layers).hidden
+        return torch.cat([hidden[layer % (self.target.num_layers + 1)][0] for layer in layers], dim=-1)
+
+    def module(self, embeds, hidden, positions, past=None, committed=True):
+        """The head module's own forward; committed positions take features, drafts their parent's output."""
+        if self.eagle3 and committed:
+            hidden = self.head.project(hidden)
+        return self.head(embeds, hidden, positions, past_key_values=past, use_cache=True)
+
+    def log_probs(self, out: torch.Tensor) -> torch.Tensor:
+        """(D,) output -> (V,) draft log-probabilities over target ids (-inf outside the draft vocabulary)."""
+        if not self.eagle3:
+            return torch.log_softmax(self.lean.lm_head(out[None]).float(), dim=-1)[0]
+        full = torch.full((self.head.config.vocab_size,), float("-inf"))
+        full[self.head.draft_ids()] = torch.log_softmax(self.head.logits(out).float(), dim=-1)
+        return full
+
+
+@pytest.fixture(scope="module", params=["eagle", "eagle3"])
+def kind(request):
+    """{"random": Pair, "warm": Pair} of one head kind."""
     torch.manual_seed(0)
     target = tiny_target()
     lean = LeanLlama.from_hf(target.model, max_seq_len=256)
-    config = EagleConfig.from_target(target)
-    random_head = EagleHead(config).eval()
-    warm_head = init_from_target(EagleHead(config), target, layer=-1, fc="feature").eval()
-    return lean, random_head, warm_head
+    if request.param == "eagle":
+        config = EagleConfig.from_target(target)
+        warm = init_from_target(EagleHead(config), target, layer=-1, fc="feature").eval()
+        return {"random": Pair(target, lean, EagleHead(config).eval()), "warm": Pair(target, lean, warm)}
+    # Three streams, out of order and repeated: the concatenation order is the head's.
+    random = Eagle3Head(Eagle3Config.from_target(target, aux_layer_ids=[1, 0, 1])).eval()
+    return {"random": Pair(target, lean, random), "warm": Pair(*tiny_eagle3_setup())}
 
 
 def prompts(count: int, length: int = 7):
@@ -33,35 +77,43 @@ def prompts(count: int, length: int = 7):
 
 @pytest.mark.parametrize("mode", ["chain", "tree"])
 @pytest.mark.parametrize("which", ["random", "warm"])
-def test_greedy_speculative_equals_plain(setup, mode, which):
-    lean, random_head, warm_head = setup
-    head = random_head if which == "random" else warm_head
-    drafter = EagleDrafter(head, lean, mode=mode, depth=3, top_k=3, total_tokens=8)
+def test_greedy_speculative_equals_plain(kind, mode, which):
+    pair = kind[which]
+    drafter = EagleDrafter(pair.head, pair.lean, mode=mode, depth=3, top_k=3, total_tokens=8)
     accepted = []
     for prompt in prompts(4):
-        plain = plain_generate(lean, prompt, NEW_TOKENS)
-        spec = speculative_generate(lean, drafter, prompt, NEW_TOKENS)
+        plain = plain_generate(pair.lean, prompt, NEW_TOKENS)
+        spec = speculative_generate(pair.lean, drafter, prompt, NEW_TOKENS)
         assert spec.tokens == plain.tokens
         accepted.extend(spec.accepted)
         assert max(spec.tree_sizes) == (3 if mode == "chain" else 7)
     if which == "warm":
         assert max(accepted) >= 1  # the compaction path is exercised
+    if which == "warm" and pair.eagle3:  # the EAGLE-3 setup agrees most of the time
+        assert sum(accepted) / len(accepted) > 0.7
 
 
-def _state_after_prefill(lean, prompt):
+def _state_after_prefill(drafter, lean, prompt):
     cache = lean.new_cache()
-    out = lean(prompt, cache, hidden_layers=(-1,), logits="last")
+    out = lean(prompt, cache, hidden_layers=drafter.feature_layers, logits="last")
     cache.commit()
     tokens = torch.cat([prompt, out.logits[-1].argmax()[None]])
     return DraftState(tokens, tokens.shape[0] - 1, out.hidden, lean.config.num_layers, SamplingConfig())
 
 
+def _proposal(drafter, lean, prompt, **sampling):
+    drafter.reset(prompt)
+    state = _state_after_prefill(drafter, lean, prompt)
+    if sampling:
+        state.sampling, state.generator = SamplingConfig(**sampling), torch.Generator().manual_seed(0)
+    return drafter.propose(state), state
+
+
 @pytest.mark.parametrize("top_k,depth,total", [(2, 3, 6), (3, 4, 10), (4, 3, 16), (2, 5, 40)])
-def test_dynamic_tree_invariants(setup, top_k, depth, total):
-    lean, _, warm_head = setup
-    drafter = EagleDrafter(warm_head, lean, mode="tree", depth=depth, top_k=top_k, total_tokens=total)
-    drafter.reset(prompts(1)[0])
-    candidates = drafter.propose(_state_after_prefill(lean, prompts(1)[0]))
+def test_dynamic_tree_invariants(kind, top_k, depth, total):
+    pair = kind["warm"]
+    drafter = EagleDrafter(pair.head, pair.lean, mode="tree", depth=depth, top_k=top_k, total_tokens=total)
+    candidates, _ = _proposal(drafter, pair.lean, prompts(1)[0])
     available = top_k + (depth - 1) * top_k * top_k
     assert len(candidates) == min(total - 1, available)
     parents, scores = candidates.parents.tolist(), candidates.info["scores"]
@@ -84,108 +136,124 @@ def test_select_tree_keeps_best_nodes_and_remaps_parents():
     assert candidates.parents.tolist() == [-1, 0, 1]
 
 
-def test_tree_depth_one_row_matches_chain_first_draft(setup):
-    lean, _, warm_head = setup
+def test_tree_depth_one_row_matches_chain_first_draft(kind):
+    pair = kind["warm"]
     prompt = prompts(1)[0]
-    tree = EagleDrafter(warm_head, lean, mode="tree", depth=2, top_k=3, total_tokens=4)
-    chain = EagleDrafter(warm_head, lean, mode="chain", depth=2)
-    tree.reset(prompt)
-    chain.reset(prompt)
-    tree_candidates = tree.propose(_state_after_prefill(lean, prompt))
-    chain_candidates = chain.propose(_state_after_prefill(lean, prompt))
+    tree, _ = _proposal(EagleDrafter(pair.head, pair.lean, mode="tree", depth=2, top_k=3, total_tokens=4),
+                        pair.lean, prompt)
+    chain, _ = _proposal(EagleDrafter(pair.head, pair.lean, mode="chain", depth=2), pair.lean, prompt)
     # The best root child of the tree is the chain's first (argmax) draft.
-    assert tree_candidates.tokens[0] == chain_candidates.tokens[0]
+    assert tree.tokens[0] == chain.tokens[0]
 
 
 @pytest.mark.parametrize("mode", ["chain", "tree"])
-def test_draft_cache_equals_fresh_recompute(setup, mode):
-    lean, _, warm_head = setup
+@pytest.mark.parametrize("which", ["random", "warm"])
+def test_draft_cache_equals_fresh_recompute(kind, mode, which):
+    """After a generation, the head's committed cache equals the head module run once over the
+    sequence with features from transformers' forward: the lean target handed the drafter the
+    right layers (EAGLE-3: the streams entering aux_layer_ids, in the head's order) for the right
+    tokens, through every compaction."""
+    pair = kind[which]
     prompt = prompts(1)[0]
-    drafter = EagleDrafter(warm_head, lean, mode=mode, depth=3, top_k=3, total_tokens=8)
-    result = speculative_generate(lean, drafter, prompt, 16)
+    drafter = EagleDrafter(pair.head, pair.lean, mode=mode, depth=3, top_k=3, total_tokens=8)
+    result = speculative_generate(pair.lean, drafter, prompt, 16)
     assert len(result.accepted) >= 3
-    # The cache covers positions 0..T-3 of the T committed tokens seen by the last propose; rebuild
-    # it from scratch with the target's features of the full sequence.
+    # The cache covers positions 0..T-3 of the T committed tokens seen by the last propose.
     sequence = torch.cat([prompt, torch.tensor(result.tokens)])
     length = drafter.cache_length
-    features = lean(sequence[:length], lean.new_cache(), hidden_layers=(-1,), logits="none").hidden[
-        lean.config.num_layers]  # (C, D)
-    embeds = lean.embedding[sequence[1: length + 1]]
-    fresh_out, (k, v) = warm_head(embeds[None], features[None], torch.arange(length)[None], use_cache=True)
+    features = pair.features(sequence[:length])  # (C, F)
+    embeds = pair.lean.embedding[sequence[1: length + 1]]
+    fresh_out, (k, v) = pair.module(embeds[None], features[None], torch.arange(length)[None])
     torch.testing.assert_close(drafter.past[0], k, atol=1e-5, rtol=1e-4)
     torch.testing.assert_close(drafter.past[1], v, atol=1e-5, rtol=1e-4)
-    # Same draft logits from the incremental cache as from the fresh one.
-    state = DraftState(sequence[: length + 1], length, {lean.config.num_layers: features[-1:]},
-                       lean.config.num_layers, SamplingConfig())
+    # Same draft scores from the incremental cache as from the fresh one.
+    num_layers = pair.lean.config.num_layers
+    hidden = pair.lean(sequence[:length], pair.lean.new_cache(), hidden_layers=drafter.feature_layers,
+                       logits="none").hidden
+    state = DraftState(sequence[: length + 1], length, {layer: h[-1:] for layer, h in hidden.items()}, num_layers,
+                       SamplingConfig())
     drafter.runtime.truncate(length - 1)
     again = drafter.catch_up(state)
-    torch.testing.assert_close(lean.lm_head(again[None]), lean.lm_head(fresh_out[0, -1:]), atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(pair.log_probs(again), pair.log_probs(fresh_out[0, -1]), atol=1e-4, rtol=1e-4)
 
 
-def test_sampled_chain_reports_draft_probabilities(setup):
-    lean, _, warm_head = setup
+def test_sampled_chain_reports_draft_probabilities(kind):
+    pair = kind["warm"]
     prompt = prompts(1)[0]
-    drafter = EagleDrafter(warm_head, lean, mode="chain", depth=3)
-    drafter.reset(prompt)
-    state = _state_after_prefill(lean, prompt)
-    state.sampling = SamplingConfig(temperature=0.8, top_k=20)
-    state.generator = torch.Generator().manual_seed(0)
-    candidates = drafter.propose(state)
+    drafter = EagleDrafter(pair.head, pair.lean, mode="chain", depth=3)
+    candidates, _ = _proposal(drafter, pair.lean, prompt, temperature=0.8, top_k=20)
     assert not candidates.deterministic and candidates.draft_probs.shape == (3, 128)
     for token, row in zip(candidates.tokens.tolist(), candidates.draft_probs):
         assert row[token] > 0 and abs(float(row.sum()) - 1.0) < 1e-5
         assert int((row > 0).sum()) <= 20
-    result = speculative_generate(lean, drafter, prompt, 12, SamplingConfig(temperature=0.8),
+    result = speculative_generate(pair.lean, drafter, prompt, 12, SamplingConfig(temperature=0.8),
                                   generator=torch.Generator().manual_seed(1))
     assert len(result.tokens) == 12
 
 
-def test_draft_vocab_subset_stays_lossless_and_in_vocabulary(setup):
-    lean, _, warm_head = setup
-    vocab = torch.arange(0, 128, 2)  # even token ids only
+def test_eagle1_draft_vocab_subset_stays_lossless_and_in_vocabulary(kind):
+    pair = kind["warm"]
+    if pair.eagle3:
+        with pytest.raises(ValueError, match="own vocabulary"):
+            EagleDrafter(pair.head, pair.lean, draft_vocab=EVEN)
+        return
     for mode in ("chain", "tree"):
-        drafter = EagleDrafter(warm_head, lean, mode=mode, depth=3, top_k=3, total_tokens=8, draft_vocab=vocab)
+        drafter = EagleDrafter(pair.head, pair.lean, mode=mode, depth=3, top_k=3, total_tokens=8, draft_vocab=EVEN)
         for prompt in prompts(2):
-            drafter.reset(prompt)
-            candidates = drafter.propose(_state_after_prefill(lean, prompt))
+            candidates, _ = _proposal(drafter, pair.lean, prompt)
             assert all(t % 2 == 0 for t in candidates.tokens.tolist())
-            assert speculative_generate(lean, drafter, prompt, NEW_TOKENS).tokens == plain_generate(
-                lean, prompt, NEW_TOKENS).tokens
-    drafter = EagleDrafter(warm_head, lean, mode="chain", depth=2, draft_vocab=vocab)
-    prompt = prompts(1)[0]
-    drafter.reset(prompt)
-    state = _state_after_prefill(lean, prompt)
-    state.sampling, state.generator = SamplingConfig(temperature=1.0), torch.Generator().manual_seed(0)
-    candidates = drafter.propose(state)
+            assert speculative_generate(pair.lean, drafter, prompt, NEW_TOKENS).tokens == plain_generate(
+                pair.lean, prompt, NEW_TOKENS).tokens
+    drafter = EagleDrafter(pair.head, pair.lean, mode="chain", depth=2, draft_vocab=EVEN)
+    candidates, _ = _proposal(drafter, pair.lean, prompts(1)[0], temperature=1.0)
     assert candidates.draft_probs.shape == (2, 128) and float(candidates.draft_probs[:, 1::2].sum()) == 0.0
 
 
 @torch.no_grad()
-def test_tree_scores_equal_sequential_chain_log_probs(setup):
+def test_tree_scores_equal_sequential_chain_log_probs(kind):
     """Each tree node's score equals the cumulative log-probability of its path computed one token
-    at a time without a tree mask: checks the batched expansion's mask, positions and features."""
-    lean, _, warm_head = setup
-    prompt = prompts(1)[0]
-    drafter = EagleDrafter(warm_head, lean, mode="tree", depth=4, top_k=3, total_tokens=20)
-    drafter.reset(prompt)
-    state = _state_after_prefill(lean, prompt)
-    candidates = drafter.propose(state)
+    at a time by the head module without a tree mask: checks the batched expansion's mask,
+    positions, fed-back outputs and the draft-to-target id map."""
+    pair = kind["warm"]
+    drafter = EagleDrafter(pair.head, pair.lean, mode="tree", depth=4, top_k=3, total_tokens=20)
+    candidates, state = _proposal(drafter, pair.lean, prompts(1)[0])
     committed, length = drafter.past, state.tokens.shape[0]
-    root_feature = drafter.catch_up_output  # f̂_{T-1} of the last catch-up
+    root_output = drafter.catch_up_output  # the head's output at position T-2 of the last catch-up
     parents, tokens = candidates.parents.tolist(), candidates.tokens.tolist()
     for node, score in enumerate(candidates.info["scores"]):
         path = [node]
         while parents[path[0]] >= 0:
             path.insert(0, parents[path[0]])
-        feature, past, total = root_feature, committed, 0.0
+        output, past, total = root_output, committed, 0.0
         for i, step in enumerate(path):
-            logp = torch.log_softmax(lean.lm_head(feature[None]).float(), dim=-1)[0]
-            total += float(logp[tokens[step]])
-            embed = lean.embedding[torch.tensor([[tokens[step]]])]
-            out, past = warm_head(embed, feature[None, None], torch.tensor([[length - 1 + i]]), past_key_values=past,
-                                  use_cache=True)
-            feature = out[0, -1]
+            total += float(pair.log_probs(output)[tokens[step]])
+            embed = pair.lean.embedding[torch.tensor([[tokens[step]]])]
+            out, past = pair.module(embed, output[None, None], torch.tensor([[length - 1 + i]]), past, committed=False)
+            output = out[0, -1]
         # fp32 rounding of the lean runtime's packed weights compounds along a 4-deep path (~3e-4
-        # here); a wrong mask, position or parent feature moves scores by far more. The runtime
-        # itself is pinned to EagleHead in float64 by tests/eval/test_lean_head.py.
+        # here); a wrong mask, position or parent output moves scores by far more. The runtime
+        # itself is pinned to the heads in float64 by tests/eval/test_lean_head.py.
         assert abs(total - score) < 2e-3, (node, total, score)
+
+
+def test_eagle3_drafts_in_its_vocabulary_through_d2t():
+    """A draft vocabulary of the even ids: every draft is an even target id, chosen by the head's
+    logits over Vd columns mapped by d2t; greedy output stays the target's and drafts still land."""
+    target, lean, head = tiny_eagle3_setup(draft_vocab=EVEN)
+    assert head.config.draft_vocab_size == 64 and int(head.d2t[5]) == 5  # draft id 5 is target id 10
+    accepted = []
+    for mode in ("chain", "tree"):
+        drafter = EagleDrafter(head, lean, mode=mode, depth=3, top_k=3, total_tokens=8)
+        assert torch.equal(drafter.vocab, EVEN)
+        for prompt in prompts(3):
+            candidates, state = _proposal(drafter, lean, prompt)
+            assert all(t % 2 == 0 for t in candidates.tokens.tolist())
+            first = int(head.to_target_ids(head.logits(drafter.catch_up_output).argmax()))
+            assert candidates.tokens[0] == first
+            spec = speculative_generate(lean, drafter, prompt, NEW_TOKENS)
+            assert spec.tokens == plain_generate(lean, prompt, NEW_TOKENS).tokens
+            accepted += spec.accepted
+    assert sum(accepted) > 0
+    sampled, _ = _proposal(EagleDrafter(head, lean, mode="chain", depth=2), lean, prompts(1)[0], temperature=1.0)
+    assert sampled.draft_probs.shape == (2, 128) and float(sampled.draft_probs[:, 1::2].sum()) == 0.0
+    torch.testing.assert_close(sampled.draft_probs.sum(-1), torch.ones(2))

@@ -1,20 +1,26 @@
 """End to end through `speculative_generate`: with temperature 1 the first tokens of speculative
 sampling follow the target's exact distribution (enumerated on a 4-token vocabulary), for sampled
-chain drafts from a truncated draft model, for a deterministic tree stub, and for that stub behind
-the fallback gate switching between plain and speculative steps mid-sequence. Chi-square at 0.001.
-The verification rule itself is tested more thoroughly (and against a broken sampler) in
-test_verify.py; this checks the plumbing (draft_probs alignment, tree order, cache compaction)."""
+chain drafts from a truncated draft model, for a deterministic tree stub, for an EAGLE-3 head
+drafting over 3 of the 4 tokens (sampled chain and EAGLE-2 tree, ids mapped through d2t), and for
+the tree stub behind the fallback gate switching between plain and speculative steps mid-sequence.
+Chi-square at 0.001; an EAGLE-3 drafter that reports its draft distribution without the d2t map
+fails the same test. The verification rule itself is tested more thoroughly (and against a broken
+sampler, also with a draft vocabulary) in test_verify.py; this checks the plumbing (draft_probs
+alignment, tree order, cache compaction)."""
 import itertools
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from eval.drafters import Candidates
 from eval.drafters.adaptive import FallbackDrafter, SpeculationGate
 from eval.drafters.draft_model import DynamicGamma, self_speculation_drafter
+from eval.drafters.eagle import EagleDrafter
 from eval.generate import speculative_generate
 from eval.model import LeanLlama
 from eval.sampling import SamplingConfig
+from heads.eagle3 import Eagle3Config, Eagle3Head, set_draft_vocab
 from tests.eval.test_verify import chi_square_p_value
 from tests.tiny import tiny_model
 
@@ -58,19 +64,58 @@ def _peaked_lean() -> LeanLlama:
     return LeanLlama.from_hf(model, max_seq_len=32)
 
 
+def _eagle3_head() -> Eagle3Head:
+    """A random EAGLE-3 head for `_peaked_lean` drafting over target ids 0, 2, 3 (Vd = 3 < V = 4)."""
+    config = Eagle3Config(hidden_size=16, intermediate_size=32, num_attention_heads=2, num_key_value_heads=1,
+                          head_dim=8, vocab_size=VOCAB, draft_vocab_size=3, target_hidden_size=16,
+                          aux_layer_ids=[0, 1], target_num_layers=2)
+    head = set_draft_vocab(Eagle3Head(config), torch.tensor([0, 2, 3]))
+    with torch.no_grad():
+        for p in head.parameters():
+            if p.dim() == 2:  # peaked draft distributions that differ from the target's
+                p.normal_(0.0, 0.6)
+    return head.eval()
+
+
+def _drafter(name: str, lean: LeanLlama):
+    if name == "sampled_chain":
+        return self_speculation_drafter(lean, 1, DynamicGamma(max_gamma=2, adaptive=False))
+    if name == "deterministic_tree":
+        return TreeStub()
+    mode = "chain" if name.startswith("eagle3_sampled_chain") else "tree"
+    drafter = EagleDrafter(_eagle3_head(), lean, mode=mode, depth=2, top_k=2, total_tokens=5)
+    if name.endswith("unmapped"):  # the Vd probabilities put at target ids 0..Vd-1: ignores d2t
+        drafter._full_distribution = lambda q: F.pad(q, (0, VOCAB - q.shape[0]))
+    return drafter
+
+
+def _sample_counts(lean, drafter_name: str, prompt) -> dict:
+    generator = torch.Generator().manual_seed(0)
+    counts = {}
+    drafter = _drafter(drafter_name, lean)
+    for _ in range(SAMPLES):
+        if drafter_name == "sampled_chain":
+            drafter = _drafter(drafter_name, lean)
+        tokens = tuple(speculative_generate(lean, drafter, prompt, LENGTH, SAMPLING, generator=generator).tokens)
+        counts[tokens] = counts.get(tokens, 0) + 1
+    return counts
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("drafter_name", ["sampled_chain", "deterministic_tree"])
+@pytest.mark.parametrize("drafter_name", ["sampled_chain", "deterministic_tree", "eagle3_sampled_chain", "eagle3_tree"])
 def test_speculative_sampling_matches_exact_distribution(drafter_name):
     lean = _peaked_lean()
     prompt = torch.tensor([1, 3, 2])
-    generator = torch.Generator().manual_seed(0)
-    counts = {}
-    for _ in range(SAMPLES):
-        drafter = (self_speculation_drafter(lean, 1, DynamicGamma(max_gamma=2, adaptive=False))
-                   if drafter_name == "sampled_chain" else TreeStub())
-        tokens = tuple(speculative_generate(lean, drafter, prompt, LENGTH, SAMPLING, generator=generator).tokens)
-        counts[tokens] = counts.get(tokens, 0) + 1
+    counts = _sample_counts(lean, drafter_name, prompt)
     assert chi_square_p_value(counts, exact(lean, prompt), SAMPLES) > 1e-3
+
+
+@pytest.mark.slow
+def test_eagle3_draft_distribution_without_the_id_map_is_caught():
+    lean = _peaked_lean()
+    prompt = torch.tensor([1, 3, 2])
+    counts = _sample_counts(lean, "eagle3_sampled_chain_unmapped", prompt)
+    assert chi_square_p_value(counts, exact(lean, prompt), SAMPLES) < 1e-3
 
 
 class Clock:

@@ -3,7 +3,8 @@ lossless (plus that the same test catches a broken sampler).
 
 The statistical test uses a tiny "model" given by a table: p(x | prefix) over a 3-token vocabulary,
 so the exact distribution of the first 3 generated tokens (27 outcomes) can be enumerated.
-Speculative steps (chains and trees, sampled and deterministic drafts from a different table q)
+Speculative steps (chains and trees, sampled and deterministic drafts from a different table q,
+also with q confined to a draft vocabulary smaller than the target's, as EAGLE-3's d2t makes it)
 are run until 3 tokens exist; the empirical counts are compared to the exact distribution with a
 chi-square test at significance 0.001 (seeds fixed, so the outcome is reproducible).
 """
@@ -32,6 +33,18 @@ class TableModel:
             gamma = torch._standard_gamma(torch.full((VOCAB,), self.concentration), generator=generator)
             self.table[prefix] = gamma / gamma.sum()
         return self.table[prefix]
+
+
+class DraftVocabModel:
+    """q restricted to a draft vocabulary: zero outside `ids`, renormalised (EAGLE-3's draft
+    distribution over Vd < V tokens, seen over the target's ids)."""
+
+    def __init__(self, q: TableModel, ids: list[int]):
+        self.q, self.keep = q, torch.zeros(VOCAB).index_fill_(0, torch.tensor(ids), 1.0)
+
+    def __call__(self, prefix: tuple) -> torch.Tensor:
+        dist = self.q(prefix) * self.keep
+        return dist / dist.sum()
 
 
 def exact_distribution(p: TableModel) -> dict:
@@ -86,8 +99,10 @@ def chi_square_p_value(counts: dict, exact: dict, samples: int) -> float:
                                          torch.tensor(statistic / 2.0, dtype=torch.float64)))
 
 
-def run_sampler(verify, shape, sampled, seed=0) -> float:
+def run_sampler(verify, shape, sampled, draft_vocab=None, seed=0) -> float:
     p, q = TableModel(seed=1), TableModel(seed=2, concentration=0.7)
+    if draft_vocab is not None:
+        q = DraftVocabModel(q, draft_vocab)
     generator = torch.Generator().manual_seed(seed)
     counts: dict = {}
     for _ in range(SAMPLES):
@@ -115,23 +130,24 @@ def broken_verify(tree, tokens, target_probs, draft_probs, generator=None) -> Ve
 
 
 CASES = {
-    "chain_sampled": ([1, 1], True),
-    "chain_deterministic": ([1, 1], False),
-    "tree_sampled": ([2, 2], True),
-    "tree_deterministic_topk": ([2, 2], False),
+    "chain_sampled": ([1, 1], True, None),
+    "chain_deterministic": ([1, 1], False, None),
+    "tree_sampled": ([2, 2], True, None),
+    "tree_deterministic_topk": ([2, 2], False, None),
+    # Token 1 is outside the draft vocabulary: q(1) = 0, it is only ever reached through the residual.
+    "chain_sampled_draft_vocab": ([1, 1], True, [0, 2]),
+    "tree_deterministic_topk_draft_vocab": ([2, 1], False, [0, 2]),
 }
 
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_rejection_sampling_is_lossless(case):
-    shape, sampled = CASES[case]
-    assert run_sampler(verify_sampled, shape, sampled) > SIGNIFICANCE
+    assert run_sampler(verify_sampled, *CASES[case]) > SIGNIFICANCE
 
 
-@pytest.mark.parametrize("case", ["chain_sampled", "tree_deterministic_topk"])
+@pytest.mark.parametrize("case", ["chain_sampled", "tree_deterministic_topk", "chain_sampled_draft_vocab"])
 def test_broken_sampler_fails_the_same_test(case):
-    shape, sampled = CASES[case]
-    assert run_sampler(broken_verify, shape, sampled) < SIGNIFICANCE
+    assert run_sampler(broken_verify, *CASES[case]) < SIGNIFICANCE
 
 
 def test_greedy_takes_longest_matching_path_and_bonus():
