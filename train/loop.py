@@ -273,6 +273,7 @@ def train_heads(job, target, data, source: FeatureSource | None = None, accelera
         if main:
             logger.summary({**result.final_eval, "best_step": best_step})
             (run_dir / "result.json").write_text(json.dumps(dataclasses.asdict(result), indent=1, default=str))
+            logger.log_checkpoint(result.best_checkpoint or result.last_checkpoint, job.recipe)
     finally:
         bar.close()
         if logger is not None:

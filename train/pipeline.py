@@ -16,9 +16,12 @@ from pathlib import Path
 import torch
 
 from heads.target import FrozenTarget, load_target
+from train.config import LoggerConfig
 from train.job import ConfigError, JobConfig
+from train.metrics import declare_inputs, log_lineage_artifact, stage_run
 
 log = logging.getLogger(__name__)
+NO_LOGGER = LoggerConfig(kind="none")  # processes other than the main one log nothing
 
 
 def hardware() -> str:
@@ -100,6 +103,7 @@ def run_job(job: JobConfig) -> dict:
 
         prepared = prepare_data(job.data, target.tokenizer, run_dir)
         summary["data"] = prepared.stats
+        _log_dataset(job, run_dir, data_source)
 
     source = None
     if job.data.mode == "offline" and {"train", "features"} & set(job.stages):
@@ -125,7 +129,9 @@ def run_job(job: JobConfig) -> dict:
         head, head_config = _load_for_eval(checkpoint, target)
 
     if "eval" in job.stages:
-        summary["eval"] = _evaluate(job, target, head, head_config, run_dir, prepared)
+        with stage_run(job.logger if _main_process() else NO_LOGGER, run_dir, "eval") as run:
+            declare_inputs(run, run_dir, ("checkpoint",))
+            summary["eval"] = _evaluate(job, target, head, head_config, run_dir, prepared)
 
     if "export" in job.stages:
         from export.writer import export_all
@@ -139,14 +145,31 @@ def run_job(job: JobConfig) -> dict:
         paths = export_all(head, head_config, job.export.formats, out_root, target, job.export.dtype,
                            job.export.native_dtype, extra, job.export.strict_fingerprint, job.export.overwrite)
         summary["export"] = {fmt: str(path) for fmt, path in paths.items()}
-        for fmt, path in paths.items():
-            log.info("exported %s -> %s", fmt, path)
+        with stage_run(job.logger if _main_process() else NO_LOGGER, run_dir, "export") as run:
+            for fmt, path in paths.items():
+                log.info("exported %s -> %s", fmt, path)
+                log_lineage_artifact(run, run_dir, f"export/{fmt}", f"{job.recipe}-{fmt}", "export",
+                                     folders={fmt: path}, metadata={"format": fmt, "path": str(path)},
+                                     inputs=("checkpoint",))
 
     summary["wall_seconds"] = round(time.time() - started, 1)
     if int(os.environ.get("RANK", "0")) == 0:
         _write_json(run_dir / "job_summary.json", {**earlier, **summary})
         print(_final_lines(summary))
     return summary
+
+
+def _main_process() -> bool:
+    return int(os.environ.get("RANK", "0")) == 0
+
+
+def _log_dataset(job: JobConfig, run_dir: Path, description: str) -> None:
+    """The training data as the job's first W&B artifact (its source file by reference, when local)."""
+    with stage_run(job.logger if _main_process() else NO_LOGGER, run_dir, "data") as run:
+        source = Path(job.data.source)
+        log_lineage_artifact(run, run_dir, "dataset", f"{job.recipe}-data", "dataset",
+                             folders={source.name: source} if source.exists() else None,
+                             files=[run_dir / "data_stats.json"], metadata={"source": description})
 
 
 def _regenerated_description(job: JobConfig) -> str:

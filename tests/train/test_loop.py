@@ -121,12 +121,15 @@ def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path):
 
 
 def test_wandb_offline_run_folder_and_metrics_jsonl(tmp_path, monkeypatch):
+    from train.metrics import read_lineage
+
     monkeypatch.setenv("WANDB_MODE", "offline")
     job = tiny_job(tmp_path, max_steps=4, eval_every=2)
     job.logger.kind = "wandb"
     train_heads(job, tiny_target(), tiny_data())
     runs = list((tmp_path / "wandb").glob("offline-run-*"))
     assert len(runs) == 1 and list(runs[0].glob("*.wandb"))
+    assert read_lineage(tmp_path)["checkpoint"]["type"] == "model"  # the kept head, as an artifact
     assert sorted(_metrics(tmp_path)) == [1, 2, 3, 4]
     assert sorted(_metrics(tmp_path, "eval/acceptance_length")) == [0, 2, 4]
     assert set(_metrics(tmp_path, "train/tokens_per_s")) == {1, 2, 3, 4}
