@@ -2,8 +2,11 @@
 
 Formats: `native` (our checkpoint layout, read by `heads.io.load_head`, eval and `trainer.init_from`),
 `eagle` (EAGLE-1/2 for SGLang and the EAGLE reference loader), `eagle_vllm` (the same for vLLM),
-`medusa` (FasterDecoding layout read by TensorRT-LLM). Each folder carries `specheads.json` and a
-model card `README.md`.
+`eagle3` (EAGLE-3 for SGLang, TensorRT-LLM and the EAGLE repo), `eagle3_vllm` (the same for vLLM),
+`speculators` (EAGLE-3 in vLLM's speculators format), `medusa` (FasterDecoding layout read by
+TensorRT-LLM), `medusa_vllm` (vLLM's Medusa drafter). Each folder carries `specheads.json` (which
+also names the layer-id convention of every file that lists target layers) and a model card
+`README.md`.
 """
 from export.formats import ENGINE_FORMATS, FORMAT_NAMES, ExportError, get_format, resolve_formats
 from export.validate import ExportValidationError, load_export, read_manifest, validate_export

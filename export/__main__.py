@@ -1,8 +1,8 @@
 """`python -m export ckpt=DIR format=eagle out=DIR [dtype=bfloat16] [base=MODEL] [overwrite=true]` (Hydra,
 config conf/export/default.yaml) and `python -m export validate DIR [base=MODEL]`.
 
-ckpt: a head checkpoint or any export folder. format: one of native, eagle, eagle_vllm, medusa
-(written into `out`); without it every entry of `formats` is written to `out/<format>`. base: the
+ckpt: a head checkpoint or any export folder. format: one of native, eagle, eagle_vllm, eagle3,
+eagle3_vllm, speculators, medusa, medusa_vllm (written into `out`); without it every entry of `formats` is written to `out/<format>`. base: the
 base model (hub id, local folder, GGUF file, `embedded:smollm2-135m-instruct`); default: the
 target the head was trained on. An existing `out` is replaced only when it is an earlier export of
 the same format and head type (overwrite=true: any export); a folder that is not an export is

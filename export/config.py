@@ -6,7 +6,8 @@ from dataclasses import dataclass, field
 
 @dataclass
 class ExportConfig:
-    # native | eagle (SGLang) | eagle_vllm | medusa | engine (every engine layout of the head type)
+    # native | eagle (SGLang) | eagle_vllm | eagle3 (SGLang, TensorRT-LLM) | eagle3_vllm | speculators |
+    # medusa (TensorRT-LLM) | medusa_vllm | engine (every engine layout of the head type)
     formats: list[str] = field(default_factory=lambda: ["native", "engine"])
     dtype: str = "bfloat16"  # bfloat16 | float16 | float32, for the engine layouts
     native_dtype: str | None = "float32"  # native keeps full precision so training can resume; None: `dtype`

@@ -134,6 +134,9 @@ class EagleFormat:
                             "(vLLM's EAGLE fc has no bias; a missing bias means true to the EAGLE loader)")
         return problems
 
+    def base_copies(self, config: EagleConfig) -> dict[str, str]:
+        return {"embed_tokens.weight": "embedding"}
+
     def to_state(self, tensors: Tensors, config: EagleConfig) -> Tensors:
         state = {key: value for key, value in tensors.items() if key != "embed_tokens.weight"}
         if not config.fc_bias and "fc.bias" in state:

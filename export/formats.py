@@ -46,6 +46,7 @@ class BaseModel:
     lm_head: torch.Tensor  # (V, D)
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
+    pad_token_id: int | None = None
 
 
 class Format(Protocol):
@@ -68,6 +69,12 @@ class Format(Protocol):
 
     def to_state(self, tensors: Tensors, config) -> Tensors:
         """Tensors read from the folder -> the head's state dict (inverse of `to_files`)."""
+
+    def base_copies(self, config) -> dict[str, str]:
+        """Keys holding a copy of a base-model tensor -> "embedding" | "lm_head" (validated
+        against the base model). Optional on a format: `notes(config, base)` (model-card notes),
+        `add_runtime(config_json, runtime)` (measured runtime settings into the config JSON),
+        `file_layer_ids(config)` (the JSON field, values and convention of EAGLE-3 aux layers)."""
 
 
 class NativeFormat:
@@ -109,21 +116,28 @@ class NativeFormat:
     def to_state(self, tensors, config):
         return dict(tensors)
 
+    def base_copies(self, config):
+        return {}
+
 
 def get_format(name: str) -> Format:
-    """The format object for `native`, `eagle`, `eagle_vllm` or `medusa`."""
+    """The format object for one of FORMAT_NAMES."""
     from export.eagle import EagleFormat
-    from export.medusa import MedusaFormat
+    from export.eagle3 import Eagle3Format
+    from export.medusa import MedusaFormat, MedusaVllmFormat
+    from export.speculators import SpeculatorsFormat
 
     formats = {"native": NativeFormat(), "eagle": EagleFormat("sglang"), "eagle_vllm": EagleFormat("vllm"),
-               "medusa": MedusaFormat()}
+               "eagle3": Eagle3Format("sglang"), "eagle3_vllm": Eagle3Format("vllm"),
+               "speculators": SpeculatorsFormat(), "medusa": MedusaFormat(), "medusa_vllm": MedusaVllmFormat()}
     if name not in formats:
         raise ExportError(f"format={name!r} is not one of {sorted(formats)} (or 'engine')")
     return formats[name]
 
 
-FORMAT_NAMES = ("native", "eagle", "eagle_vllm", "medusa")
-ENGINE_FORMATS = {"eagle": ("eagle", "eagle_vllm"), "medusa": ("medusa",)}
+FORMAT_NAMES = ("native", "eagle", "eagle_vllm", "eagle3", "eagle3_vllm", "speculators", "medusa", "medusa_vllm")
+ENGINE_FORMATS = {"eagle": ("eagle", "eagle_vllm"), "eagle3": ("eagle3", "eagle3_vllm", "speculators"),
+                  "medusa": ("medusa", "medusa_vllm")}
 
 
 def resolve_formats(formats: list[str] | tuple[str, ...], kind: str) -> list[str]:

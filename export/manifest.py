@@ -8,6 +8,7 @@ import time
 from importlib import metadata
 from pathlib import Path
 
+from export.eagle3 import CONVENTIONS, ENTERING
 from export.formats import EXPORT_FORMAT_VERSION, BaseModel, Format
 from export.medusa import default_choices
 from heads.io import head_type
@@ -34,7 +35,7 @@ def base_model_from_target(target, hub_id: str | None = None) -> BaseModel:
         name=target.name, hub_id=hub_id or hub_id_for(target.name), architecture=architecture,
         model_type=getattr(config, "model_type", "llama"), embed_tokens=target.embed_tokens.weight,
         lm_head=target.lm_head.weight, bos_token_id=getattr(config, "bos_token_id", None),
-        eos_token_id=getattr(config, "eos_token_id", None),
+        eos_token_id=getattr(config, "eos_token_id", None), pad_token_id=getattr(config, "pad_token_id", None),
     )
 
 
@@ -50,8 +51,29 @@ def _text_hash(text: str | None) -> str | None:
     return hashlib.sha256(text.encode()).hexdigest()[:16] if text else None
 
 
-def feature_convention(kind: str, num_layers: int) -> dict:
-    """Which target hidden state the head reads, spelled out (tools number layers differently)."""
+def feature_convention(kind: str, num_layers: int, config=None, fmt: Format | None = None) -> dict:
+    """Which target hidden states the head reads, spelled out (tools number layers differently).
+    For EAGLE-3 heads, `layer_ids` names every file field that lists the aux layers, with the
+    convention that field uses."""
+    if kind == "eagle3":
+        ids = list(config.aux_layer_ids)
+        layer_ids = {f"{MANIFEST_NAME}:head_config.aux_layer_ids": {"values": ids, "convention": ENTERING}}
+        if fmt is not None and fmt.name == "native":
+            layer_ids[f"{fmt.config_file}:config.aux_layer_ids"] = {"values": ids, "convention": ENTERING}
+        elif fmt is not None and hasattr(fmt, "file_layer_ids"):
+            field, values, convention = fmt.file_layer_ids(config)
+            layer_ids[f"{fmt.config_file}:{field}"] = {"values": values, "convention": convention}
+        return {
+            "hidden_states_indices": ids,
+            "numbering": "transformers output_hidden_states: 0 = embedding output, i = output of decoder layer i-1 "
+                         "(0-based) = the residual stream entering decoder layer i",
+            "feature": f"cat of the target's residual streams hidden_states{ids} (pre-norm), in that order, "
+                       "through fc",
+            "predicts": "x_{t+2} from embed(x_{t+1}) and the aux streams at t; logits over the draft vocabulary, "
+                        "draft id i = target id i + d2t[i]",
+            "layer_ids": layer_ids,
+            "conventions": dict(CONVENTIONS),
+        }
     return {
         "hidden_states_index": num_layers,
         "numbering": "transformers output_hidden_states: 0 = embedding output, i = output of decoder layer i-1 "
@@ -67,7 +89,7 @@ def recommended_runtime(config, runtime: dict | None) -> dict:
     """Runtime settings for the head plus each engine's flag values for them. `runtime` holds what
     eval measured (eagle: top_k, depth, total_tokens, chain_depth; medusa: medusa_choices)."""
     runtime = dict(runtime or {})
-    if head_type(config) == "eagle":
+    if head_type(config) in ("eagle", "eagle3"):
         values = {key: int(runtime.get(key, default)) for key, default in _EAGLE_DEFAULTS.items()}
         source = "measured" if any(key in runtime for key in _EAGLE_DEFAULTS) else "default (not measured)"
         return {
@@ -114,7 +136,7 @@ def build_manifest(fmt: Format, config, base: BaseModel, target, dtype: str, fil
             "tokenizer_hash": target.tokenizer_hash() if tokenizer is not None else None,
             "chat_template_hash": _text_hash(getattr(target, "chat_template", None)),
         },
-        "feature_layer": feature_convention(head_type(config), target.num_layers),
+        "feature_layer": feature_convention(head_type(config), target.num_layers, config, fmt),
         "runtime": recommended_runtime(config, extra.get("runtime")),
         "training": extra.get("training"),
         "eval": extra.get("eval"),
@@ -140,6 +162,26 @@ def serve_command(manifest: dict, folder: str = "./THIS_FOLDER") -> str:
         spec = json.dumps({"method": "eagle", "model": folder,
                            "num_speculative_tokens": runtime["vllm"]["num_speculative_tokens"]})
         return f"vllm serve {base} \\\n  --speculative-config '{spec}'"
+    if fmt == "eagle3":
+        s = runtime["sglang"]
+        ids = next(entry["values"] for name, entry in manifest["feature_layer"]["layer_ids"].items()
+                   if name.startswith("config.json:"))
+        return (f"python -m sglang.launch_server --model-path {base} \\\n  --speculative-algorithm EAGLE3 "
+                f"--speculative-draft-model-path {folder} \\\n  --speculative-num-steps {s['speculative_num_steps']} "
+                f"--speculative-eagle-topk {s['speculative_eagle_topk']} "
+                f"--speculative-num-draft-tokens {s['speculative_num_draft_tokens']}\n"
+                f"# TensorRT-LLM (PyTorch flow), LLM API YAML: speculative_config: {{decoding_type: Eagle3, "
+                f"speculative_model_dir: {folder}, max_draft_len: {runtime['chain_depth']}, "
+                f"eagle3_layers_to_capture: {ids}}}")
+    if fmt in ("eagle3_vllm", "speculators", "medusa_vllm"):
+        method = {"eagle3_vllm": "eagle3", "speculators": "eagle3", "medusa_vllm": "medusa"}[fmt]
+        tokens = (manifest["head_config"]["num_heads"] if fmt == "medusa_vllm"
+                  else runtime["vllm"]["num_speculative_tokens"])
+        spec = json.dumps({"method": method, "model": folder, "num_speculative_tokens": tokens})
+        command = f"vllm serve {base} \\\n  --speculative-config '{spec}'"
+        if fmt == "speculators":
+            command = f"vllm serve {folder}   # finds the verifier {base} in config.json\n# or: {command}"
+        return command
     if fmt == "medusa":
         head, trt = manifest["head_config"], runtime["tensorrt_llm"]
         return (f"python examples/medusa/convert_checkpoint.py --model_dir <{base} folder> \\\n"

@@ -103,3 +103,91 @@ class MedusaFormat:
             return dict(tensors)
         lm_heads = {f"{h}.{config.num_layers}.weight" for h in range(config.num_heads)}
         return {key: value for key, value in tensors.items() if key not in lm_heads}
+
+    def add_runtime(self, config_json: dict, runtime: dict) -> None:
+        """The tree the head was evaluated with travels in config.json too."""
+        config_json["medusa_choices"] = runtime["medusa_choices"]
+
+    def base_copies(self, config: MedusaConfig) -> dict[str, str]:
+        """Keys that hold a copy of a base-model tensor (validated against the base model)."""
+        if not config.share_lm_head:
+            return {}
+        return {f"{h}.{config.num_layers}.weight": "lm_head" for h in range(config.num_heads)}
+
+
+class MedusaVllmFormat:
+    """vLLM's Medusa drafter (FORMATS.md "vLLM layout"): `model.safetensors` with
+    `blocks.{h}.layers.{l}.weight|bias` and `lm_heads.{h}.weight`, and a MedusaConfig config.json.
+
+    vLLM proposes top-1 tokens only (no tree), so no `medusa_choices` travel with this folder.
+    vLLM's MedusaConfig renames any config key holding "num" and "heads"/"layers" to
+    `num_heads`/`num_hidden_layers`, so the file carries no other such key. A head trained with the
+    target's lm_head gets a copy under every `lm_heads.{h}.weight`, as in the `medusa` layout.
+    """
+
+    name = "medusa_vllm"
+    head_type = "medusa"
+    weights_file = "model.safetensors"
+    config_file = "config.json"
+    engines = ("vllm",)
+
+    def to_files(self, state: Tensors, config: MedusaConfig, base: BaseModel, dtype: str) -> tuple[Tensors, dict]:
+        faster, config_json = MedusaFormat().to_files(state, config, base, dtype)
+        L = config.num_layers
+        tensors = {}
+        for h in range(config.num_heads):
+            for layer in range(L):
+                for leaf in ("weight", "bias"):
+                    tensors[f"blocks.{h}.layers.{layer}.{leaf}"] = faster[f"{h}.{layer}.linear.{leaf}"]
+            tensors[f"lm_heads.{h}.weight"] = faster[f"{h}.{L}.weight"]
+        return tensors, self.config_json(config, base, dtype)
+
+    def config_json(self, config: MedusaConfig, base: BaseModel, dtype: str) -> dict:
+        return {
+            "architectures": ["MedusaModel"],
+            "model_type": "medusa",
+            "hidden_size": config.hidden_size,
+            "vocab_size": config.vocab_size,
+            "num_heads": config.num_heads,
+            "num_hidden_layers": config.num_layers,
+            "medusa_fc_bias": True,  # our ResBlocks have a bias; vLLM's default is none
+            "truncated_vocab_size": config.vocab_size,
+            "base_model_name_or_path": base.hub_id,
+            "torch_dtype": dtype,
+        }
+
+    def expected_shapes(self, config: MedusaConfig) -> dict[str, tuple[int, ...]]:
+        H = config.hidden_size
+        shapes: dict[str, tuple[int, ...]] = {}
+        for h in range(config.num_heads):
+            for layer in range(config.num_layers):
+                shapes[f"blocks.{h}.layers.{layer}.weight"] = (H, H)
+                shapes[f"blocks.{h}.layers.{layer}.bias"] = (H,)
+            shapes[f"lm_heads.{h}.weight"] = (config.vocab_size, H)
+        return shapes
+
+    def check_config(self, config_json: dict, config: MedusaConfig, dtype: str) -> list[str]:
+        expected = {"architectures": ["MedusaModel"], "model_type": "medusa", "hidden_size": config.hidden_size,
+                    "vocab_size": config.vocab_size, "num_heads": config.num_heads,
+                    "num_hidden_layers": config.num_layers, "medusa_fc_bias": True,
+                    "truncated_vocab_size": config.vocab_size, "torch_dtype": dtype}
+        problems = [f"config.json.{key}: {config_json.get(key, '<missing>')!r}, expected {value!r}"
+                    for key, value in expected.items() if config_json.get(key, "<missing>") != value]
+        renamed = sorted(key for key in config_json if "num" in key and ("heads" in key or "layers" in key)
+                         and key not in ("num_heads", "num_hidden_layers"))
+        if renamed:
+            problems.append(f"config.json: keys {renamed} would overwrite num_heads / num_hidden_layers in vLLM")
+        return problems
+
+    def to_state(self, tensors: Tensors, config: MedusaConfig) -> Tensors:
+        L = config.num_layers
+        faster = {}
+        for h in range(config.num_heads):
+            for layer in range(L):
+                for leaf in ("weight", "bias"):
+                    faster[f"{h}.{layer}.linear.{leaf}"] = tensors[f"blocks.{h}.layers.{layer}.{leaf}"]
+            faster[f"{h}.{L}.weight"] = tensors[f"lm_heads.{h}.weight"]
+        return MedusaFormat().to_state(faster, config)
+
+    def base_copies(self, config: MedusaConfig) -> dict[str, str]:
+        return {f"lm_heads.{h}.weight": "lm_head" for h in range(config.num_heads)} if config.share_lm_head else {}

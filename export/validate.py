@@ -85,13 +85,9 @@ def _base_problems(manifest: dict, layout: Format, config, tensors: dict, target
     if tokenizer_hash and getattr(target, "tokenizer", None) is not None and target.tokenizer_hash() != tokenizer_hash:
         problems.append(f"base_model.tokenizer_hash: export {tokenizer_hash!r} vs base {target.tokenizer_hash()!r}")
     dtype = _DTYPES[manifest["dtype"]]
-    copies = {}
-    if layout.name in ("eagle", "eagle_vllm"):
-        copies["embed_tokens.weight"] = ("embedding", target.embed_tokens.weight)
-    if layout.name == "medusa" and config.share_lm_head:
-        for h in range(config.num_heads):
-            copies[f"{h}.{config.num_layers}.weight"] = ("lm_head", target.lm_head.weight)
-    for key, (what, weight) in copies.items():
+    weights = {"embedding": target.embed_tokens.weight, "lm_head": target.lm_head.weight}
+    for key, what in layout.base_copies(config).items():
+        weight = weights[what]
         if key in tensors and tensors[key].shape == weight.shape:
             if not torch.equal(tensors[key], weight.detach().to("cpu", dtype)):
                 problems.append(f"{layout.weights_file}: {key!r} differs from the base model's {what}")
@@ -136,7 +132,7 @@ def validate_export(folder: str | os.PathLike, target=None) -> dict:
 
 def load_export(folder: str | os.PathLike, target=None, strict_fingerprint: bool = True,
                 dtype: str | None = "float32"):
-    """Load any export (native, eagle, eagle_vllm, medusa) or a plain head checkpoint back into
+    """Load any export (one of FORMAT_NAMES) or a plain head checkpoint back into
     a head -> (head, config, manifest). With `target`, refuse a head that does not belong to it.
     `dtype`: cast the head's weights (None keeps the file's dtype)."""
     folder = Path(folder)

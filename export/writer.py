@@ -129,7 +129,7 @@ def _place(tmp: Path, out: Path) -> None:
 
 def export_head(head: nn.Module, config, fmt: str, out_dir: str | os.PathLike, target, dtype: str = "bfloat16",
                 manifest_extra: dict | None = None, strict_fingerprint: bool = True, overwrite: bool = False) -> Path:
-    """Export a trained head in format `fmt` (native | eagle | eagle_vllm | medusa) to `out_dir`.
+    """Export a trained head in format `fmt` (one of export.formats.FORMAT_NAMES) to `out_dir`.
 
     target: the FrozenTarget the head was trained on (its embedding / lm_head go into the engine
     files; its fingerprint into the manifest). manifest_extra: optional dicts `runtime` (eagle:
@@ -155,9 +155,10 @@ def export_head(head: nn.Module, config, fmt: str, out_dir: str | os.PathLike, t
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     try:
         os.chmod(tmp, 0o755)
-        extra["notes"] = [*_auto_notes(fmt, config, base), *(extra.get("notes") or [])]
-        if layout.name == "medusa":  # the tree the head was evaluated with travels in config.json too
-            config_json["medusa_choices"] = recommended_runtime(config, extra.get("runtime"))["medusa_choices"]
+        own_notes = layout.notes(config, base) if hasattr(layout, "notes") else []
+        extra["notes"] = [*_auto_notes(fmt, config, base), *own_notes, *(extra.get("notes") or [])]
+        if hasattr(layout, "add_runtime"):  # e.g. the Medusa tree eval used travels in config.json too
+            layout.add_runtime(config_json, recommended_runtime(config, extra.get("runtime")))
         _write_weights(tmp / layout.weights_file, tensors)
         _write_json(tmp / layout.config_file, config_json)
         files = {name: {"sha256": sha256_file(tmp / name), "bytes": (tmp / name).stat().st_size}

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from data.config import DataConfig
 from eval.config import RuntimeConfig
 from export.config import ExportConfig
+from export.formats import FORMAT_NAMES, get_format
 from heads.config import HeadsConfig
 from heads.target import TargetConfig
 from train.config import DeepSpeedConfig, LoggerConfig, TrainerConfig
@@ -156,14 +157,11 @@ def validate_job(job: JobConfig) -> JobConfig:
     _positive("runtime.tree_depth", r.tree_depth)
     _positive("runtime.tree_top_k", r.tree_top_k)
     for fmt in job.export.formats:
-        _choice("export.formats[]", fmt, {"native", "eagle", "eagle_vllm", "medusa", "engine"})
+        _choice("export.formats[]", fmt, {*FORMAT_NAMES, "engine"})
+        if fmt not in ("native", "engine") and get_format(fmt).head_type != job.heads.type:
+            raise ConfigError(f"export.formats contains {fmt!r}, a layout of {get_format(fmt).head_type} heads, "
+                              f"but heads.type={job.heads.type}")
     _choice("export.dtype", job.export.dtype, {"bfloat16", "float16", "float32"})
     if job.export.native_dtype is not None:
         _choice("export.native_dtype", job.export.native_dtype, {"bfloat16", "float16", "float32"})
-    if job.heads.type == "medusa" and {"eagle", "eagle_vllm"} & set(job.export.formats):
-        raise ConfigError("export.formats contains an eagle layout but heads.type=medusa")
-    if job.heads.type != "medusa" and "medusa" in job.export.formats:
-        raise ConfigError(f"export.formats contains 'medusa' but heads.type={job.heads.type}")
-    if job.heads.type == "eagle3" and {"eagle", "eagle_vllm"} & set(job.export.formats):
-        raise ConfigError("export.formats contains an EAGLE-1/2 layout (eagle, eagle_vllm) but heads.type=eagle3")
     return job

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from heads.eagle import EagleConfig, EagleHead
+from heads.eagle3 import Eagle3Config, Eagle3Head, set_draft_vocab
 from heads.medusa import MedusaConfig, MedusaHeads
 from tests.tiny import tiny_target
 
@@ -32,6 +33,23 @@ def make_eagle(target, **options):
     return randomize(EagleHead(config)), config
 
 
+def make_eagle3(target, draft_vocab_size: int | None = 40, seed: int = 2, **options):
+    """A randomised EAGLE-3 head with a random sorted draft vocabulary of `draft_vocab_size` ids
+    (None: the full vocabulary, identity maps)."""
+    config = Eagle3Config.from_target(target, draft_vocab_size=draft_vocab_size, **options)
+    head = randomize(Eagle3Head(config), seed)
+    if config.draft_vocab_size < config.vocab_size:
+        generator = torch.Generator().manual_seed(seed)
+        ids = torch.randperm(config.vocab_size, generator=generator)[:config.draft_vocab_size].sort().values
+        set_draft_vocab(head, ids)
+    return head, config
+
+
+def make_target3(seed: int = 0, **overrides):
+    """Seven layers, so the default aux layers [2, L//2, L-3] = [2, 3, 4] are distinct."""
+    return make_target(seed, **{"num_hidden_layers": 7, **overrides})
+
+
 def make_medusa(target, **options):
     config = MedusaConfig.from_target(target, **{"num_heads": 3, "num_layers": 2, **options})
     return randomize(MedusaHeads(config)), config
@@ -40,3 +58,8 @@ def make_medusa(target, **options):
 @pytest.fixture
 def target():
     return make_target()
+
+
+@pytest.fixture
+def target3():
+    return make_target3()

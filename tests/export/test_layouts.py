@@ -35,6 +35,11 @@ EAGLE_CONFIG_FIELDS = ("architectures", "hidden_size", "intermediate_size", "num
 # FORMATS.md "Medusa": h in [0, K), l in [0, L).
 MEDUSA_TABLE = {"{h}.{l}.linear.weight": ("H", "H"), "{h}.{l}.linear.bias": ("H",), "{h}.{L}.weight": ("V", "H")}
 MEDUSA_CONFIG_FIELDS = ("medusa_num_heads", "medusa_num_layers", "base_model_name_or_path", "hidden_size", "vocab_size")
+# FORMATS.md "Medusa", vLLM layout and MedusaConfig keys.
+MEDUSA_VLLM_TABLE = {"blocks.{h}.layers.{l}.weight": ("H", "H"), "blocks.{h}.layers.{l}.bias": ("H",),
+                     "lm_heads.{h}.weight": ("V", "H")}
+MEDUSA_VLLM_CONFIG_FIELDS = ("model_type", "hidden_size", "vocab_size", "num_heads", "num_hidden_layers",
+                             "medusa_fc_bias", "truncated_vocab_size")
 
 H, I, V, nH, nKV, hd = (SIZES[k] for k in ("hidden_size", "intermediate_size", "vocab_size", "num_attention_heads",
                                            "num_key_value_heads", "head_dim"))
@@ -139,6 +144,36 @@ def test_medusa_keys_shapes_and_config(tmp_path, target, share_lm_head):
     for h in range(K):
         own = lm_head if share_lm_head else head.lm_head_weight(h).detach().to(torch.float16)
         assert torch.equal(tensors[f"{h}.{L}.weight"], own)
+
+
+@pytest.mark.parametrize("share_lm_head", [False, True])
+def test_medusa_vllm_keys_shapes_and_config(tmp_path, target, share_lm_head):
+    head, config = make_medusa(target, share_lm_head=share_lm_head)
+    K, L = config.num_heads, config.num_layers
+    folder = export_head(head, config, "medusa_vllm", tmp_path / "out", target, dtype="float16")
+    tensors, cfg = _read(folder, "model.safetensors")
+    expected = {}
+    for h in range(K):
+        for key, shape in _shapes(MEDUSA_VLLM_TABLE).items():
+            for layer in range(L) if "{l}" in key else (None,):
+                expected[key.format(h=h, l=layer)] = shape
+    assert {k: tuple(v.shape) for k, v in tensors.items()} == expected
+    assert all(v.dtype == torch.float16 for v in tensors.values())
+    for field in MEDUSA_VLLM_CONFIG_FIELDS:
+        assert field in cfg, field
+    assert cfg["model_type"] == "medusa" and cfg["architectures"] == ["MedusaModel"]
+    assert (cfg["num_heads"], cfg["num_hidden_layers"], cfg["hidden_size"], cfg["vocab_size"]) == (K, L, H, V)
+    assert cfg["truncated_vocab_size"] == V and cfg["medusa_fc_bias"] is True  # our ResBlocks have a bias
+    # vLLM renames every key holding "num" and "heads"/"layers": no other such key may be present.
+    assert [k for k in cfg if "num" in k and ("heads" in k or "layers" in k)] == ["num_heads", "num_hidden_layers"]
+    assert "medusa_choices" not in cfg  # vLLM drafts top-1 chains
+    for h in range(K):
+        for layer in range(L):
+            block = head.head(h)[layer].linear
+            assert torch.equal(tensors[f"blocks.{h}.layers.{layer}.weight"], block.weight.detach().half())
+            assert torch.equal(tensors[f"blocks.{h}.layers.{layer}.bias"], block.bias.detach().half())
+        own = target.lm_head.weight if share_lm_head else head.lm_head_weight(h).detach()
+        assert torch.equal(tensors[f"lm_heads.{h}.weight"], own.half())
 
 
 def test_tied_target_embeddings_export(tmp_path):

@@ -57,7 +57,7 @@ def test_eagle_round_trip_with_fc_bias(tmp_path, target):
     assert torch.equal(_eagle_out(loaded, target), _eagle_out(head, target))
 
 
-@pytest.mark.parametrize("fmt", ["native", "medusa"])
+@pytest.mark.parametrize("fmt", ["native", "medusa", "medusa_vllm"])
 @pytest.mark.parametrize("share_lm_head", [False, True])
 def test_medusa_round_trip(tmp_path, target, fmt, share_lm_head):
     head, config = make_medusa(target, share_lm_head=share_lm_head)
@@ -132,7 +132,7 @@ def test_export_all_resolves_engine_and_keeps_native_full_precision(tmp_path, ta
 
 
 def test_resolve_formats_checks_the_head_type():
-    assert resolve_formats(["engine", "native"], "medusa") == ["medusa", "native"]
+    assert resolve_formats(["engine", "native"], "medusa") == ["medusa", "medusa_vllm", "native"]
     with pytest.raises(ExportError, match="'medusa' exports medusa heads"):
         resolve_formats(["medusa"], "eagle")
     with pytest.raises(ExportError, match="'onnx'"):
