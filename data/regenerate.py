@@ -11,7 +11,8 @@ first missing shard; rank r of W writes shards r, r+W, ...; `merge_shards` conca
 `regenerated.jsonl`, which `data.source` can point to. Each shard has a sidecar
 `regenerated-00000.jsonl.key` naming what it was made from (its records' ids and the generation
 settings); a shard whose key does not match the current job (more `max_records` than the run that
-wrote it, other settings) is written again instead of being reused.
+wrote it, other settings, another target), or that has no key, is written again instead of being
+reused.
 
 The generator is a callable so the caller can pass the fast runtime (eval.generate) without data/
 importing eval/; `hf_generate_fn` wraps transformers' `generate`.
@@ -138,16 +139,18 @@ def shard_key(records: Sequence[dict], config: RegenerateConfig, max_prompt_toke
 
 
 def _shard_done(output_dir: Path, index: int, key: str) -> bool:
-    """A shard can be reused when it exists and its key matches (a shard from before keys existed
-    is reused as is)."""
+    """A shard can be reused when it exists and its key matches. A shard without a key (from before
+    keys existed, or whose key was removed) was made by an unknown target with unknown settings:
+    written again, like a mismatch."""
     shard = output_dir / shard_name(index)
     if not shard.is_file():
         return False
     key_file = shard.with_name(shard.name + ".key")
-    if not key_file.is_file() or key_file.read_text(encoding="utf-8").strip() == key:
+    if key_file.is_file() and key_file.read_text(encoding="utf-8").strip() == key:
         return True
-    log.warning("regenerate: %s was made from other records or settings than this job's; writing it again",
-                shard)
+    why = "has no key file (unknown target and settings)" if not key_file.is_file() else \
+        "was made from other records, settings or another target than this job's"
+    log.warning("regenerate: %s %s; writing it again", shard, why)
     return False
 
 

@@ -28,6 +28,39 @@ class HeadMismatchError(ValueError):
     """A head does not belong to the target it is paired with; the message names the fields."""
 
 
+class HeadFileError(ValueError):
+    """A head or checkpoint file that cannot be used: not readable, not JSON, damaged, or holding
+    non-finite weights. The message names the file."""
+
+
+def non_finite_keys(tensors: dict[str, torch.Tensor]) -> list[str]:
+    """Keys of floating tensors holding a NaN or an infinity."""
+    return [key for key, value in tensors.items()
+            if value.is_floating_point() and not bool(torch.isfinite(value).all())]
+
+
+def read_weights(path: str | os.PathLike, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
+    """A safetensors file -> tensors; a damaged or truncated file is a HeadFileError naming it."""
+    from safetensors import SafetensorError
+
+    try:
+        return load_file(str(path), device=str(device))
+    except (SafetensorError, OSError) as error:
+        raise HeadFileError(f"{path}: not a readable safetensors file ({error}); it is damaged, truncated or "
+                            "was not written by specheads") from None
+
+
+def read_json(path: str | os.PathLike) -> dict:
+    """A JSON object file; text that is not a JSON object is a HeadFileError naming the path."""
+    try:
+        values = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise HeadFileError(f"{path}: not valid JSON ({error})") from None
+    if not isinstance(values, dict):
+        raise HeadFileError(f"{path}: a JSON {type(values).__name__}, expected an object")
+    return values
+
+
 def head_type(config) -> str:
     for name, (config_class, _) in _TYPES.items():
         if isinstance(config, config_class):
@@ -60,8 +93,11 @@ def _atomic_write(path: Path, write) -> None:
 def save_head(directory: str | os.PathLike, head: nn.Module, config, extra: dict | None = None) -> Path:
     """Write the head's weights and config into `directory` (created if needed)."""
     directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
     tensors = {k: v.detach().to("cpu").contiguous() for k, v in head.state_dict().items()}
+    bad = non_finite_keys(tensors)
+    if bad:
+        raise HeadFileError(f"{directory}: not written, the head holds NaN or infinite weights in {bad[:8]}")
+    directory.mkdir(parents=True, exist_ok=True)
     meta = {"type": head_type(config), "config": config.to_dict(), "format_version": FORMAT_VERSION, **(extra or {})}
     _atomic_write(directory / WEIGHTS_NAME, lambda tmp: save_file(tensors, tmp, metadata={"format": "pt"}))
     _atomic_write(directory / CONFIG_NAME, lambda tmp: Path(tmp).write_text(json.dumps(meta, indent=2)))
@@ -95,21 +131,35 @@ def read_head_meta(directory: str | os.PathLike) -> dict:
     path = Path(directory) / CONFIG_NAME
     if not path.is_file():
         raise FileNotFoundError(f"{directory} is not a head checkpoint: {CONFIG_NAME} missing")
-    return json.loads(path.read_text())
+    meta = read_json(path)
+    if not isinstance(meta.get("config"), dict) or "type" not in meta:
+        raise HeadFileError(f"{path}: needs 'type' and a 'config' object")
+    return meta
 
 
 def load_head(directory: str | os.PathLike, target=None, strict_fingerprint: bool = True,
               device: str | torch.device = "cpu"):
     """Load a native head checkpoint -> (head, config, meta). With a target, refuse a head that
-    does not belong to it (HeadMismatchError)."""
+    does not belong to it (HeadMismatchError); a damaged file, or weights with NaN or infinities,
+    is a HeadFileError naming the file."""
     meta = read_head_meta(directory)
-    config = config_from_dict(meta["type"], meta["config"])
+    try:
+        config = config_from_dict(meta["type"], meta["config"])
+    except (TypeError, ValueError) as error:
+        raise HeadFileError(f"{Path(directory) / CONFIG_NAME}: {error}") from None
     if target is not None:
         check_against_target(config, target, strict_fingerprint)
     with torch.device("meta"):
         head = build_head(config)
-    state = load_file(str(Path(directory) / WEIGHTS_NAME), device=str(device))
-    head.load_state_dict(state, strict=True, assign=True)
+    weights = Path(directory) / WEIGHTS_NAME
+    state = read_weights(weights, device)
+    bad = non_finite_keys(state)
+    if bad:
+        raise HeadFileError(f"{weights}: NaN or infinite values in {bad[:8]}; the head cannot be used")
+    try:
+        head.load_state_dict(state, strict=True, assign=True)
+    except RuntimeError as error:  # missing, unexpected or misshapen keys
+        raise HeadFileError(f"{weights} does not match {CONFIG_NAME}: {error}") from None
     # Non-persistent buffers (RoPE frequencies) are rebuilt on the real device.
     for name, buffer in list(head.named_buffers()):
         if buffer.is_meta:

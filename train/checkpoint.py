@@ -4,13 +4,20 @@ Layout of `<run_dir>/checkpoints/step-00000123/` (a native head folder plus trai
     head_config.json, model.safetensors   (heads.io: loadable by `load_head`)
     optimizer.pt, scheduler.pt            (torch.save of state dicts; loaded with weights_only=True)
     rng.pt                                ({"ranks": [per-process RNG states]})
-    trainer_state.json                    (step, data position, best, eval, file sizes; written last)
+    trainer_state.json                    (step, data position, best, eval, run identity, per file
+                                           bytes + sha256; written last)
 The folder is built as `.tmp-step-...` and renamed into place, so a crash leaves either the old
-set of checkpoints or the new one, never a half-written folder under a valid name.
+set of checkpoints or the new one, never a half-written folder under a valid name. Sizes are
+checked whenever checkpoints are listed; checksums when one is loaded, and a resume falls back to
+the previous checkpoint (with a WARNING naming the file) when the newest fails them. Each
+checkpoint records its run (train/run_identity.py): a resume refuses another run's, a fresh run
+refuses a folder that holds checkpoints, and pruning deletes only its own run's.
 """
 from __future__ import annotations
 
+import hashlib
 import json
+import logging
 import os
 import random
 import re
@@ -19,10 +26,20 @@ from pathlib import Path
 
 import torch
 
-from heads.io import save_head
+from heads.io import HeadFileError, non_finite_keys, read_weights, save_head
+from train.run_identity import RUN_KEY, identity_differences
 
+log = logging.getLogger(__name__)
 STATE_NAME = "trainer_state.json"
 _STEP_DIR = re.compile(r"^step-(\d{8})$")
+
+
+class TrainingDiverged(RuntimeError):
+    """A non-finite loss, gradient norm or weight; the last good checkpoint is kept."""
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be resumed: damaged files, another run's, or none loadable."""
 
 
 def checkpoint_name(step: int) -> str:
@@ -46,8 +63,16 @@ def set_rng_state(state: dict) -> None:
 
 def save_checkpoint(root: str | os.PathLike, step: int, head, head_config, optimizer_state: dict,
                     scheduler_state: dict, rng_states: list[dict], trainer_state: dict) -> Path:
-    """Write one checkpoint folder atomically; call on the main process only."""
+    """Write one checkpoint folder atomically; call on the main process only. Weights holding NaN
+    or infinities are not written: TrainingDiverged names the last good checkpoint instead."""
     root = Path(root)
+    bad = non_finite_keys(head.state_dict())
+    if bad:
+        run = (trainer_state.get(RUN_KEY) or {}).get("id")
+        raise TrainingDiverged(
+            f"non-finite weights after step {step} ({bad[:4]}); not saved. The last good checkpoint is "
+            f"{latest_valid_checkpoint(root, run) or 'none'}: lower trainer.learning_rate or trainer.max_grad_norm, "
+            "check the data, then resume from it.")
     root.mkdir(parents=True, exist_ok=True)
     final = root / checkpoint_name(step)
     tmp = root / f".tmp-{final.name}"
@@ -57,7 +82,7 @@ def save_checkpoint(root: str | os.PathLike, step: int, head, head_config, optim
     torch.save(optimizer_state, tmp / "optimizer.pt")
     torch.save(scheduler_state, tmp / "scheduler.pt")
     torch.save({"ranks": rng_states}, tmp / "rng.pt")
-    files = {p.name: p.stat().st_size for p in sorted(tmp.iterdir())}
+    files = {p.name: {"bytes": p.stat().st_size, "sha256": _sha256(p)} for p in sorted(tmp.iterdir())}
     state = {**trainer_state, "step": step, "files": files, "complete": True}
     (tmp / STATE_NAME).write_text(json.dumps(state, indent=1))
     _fsync_dir(tmp)
@@ -85,20 +110,52 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def read_state(path: str | os.PathLike) -> dict | None:
-    """The trainer state of a checkpoint folder, or None when the folder is not a complete one."""
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _recorded(entry) -> tuple[int, str | None]:
+    """(bytes, sha256) of a `files` entry; checkpoints from before checksums hold the size only."""
+    return (entry["bytes"], entry.get("sha256")) if isinstance(entry, dict) else (int(entry), None)
+
+
+def state_problems(path: str | os.PathLike, checksums: bool = False) -> tuple[dict | None, list[str]]:
+    """(trainer state, problems naming each bad file) of a checkpoint folder; with `checksums`
+    every file is also read and hashed against its recorded sha256."""
     path = Path(path)
     try:
         state = json.loads((path / STATE_NAME).read_text())
-    except (OSError, ValueError):
-        return None
-    if not state.get("complete"):
-        return None
-    for name, size in state.get("files", {}).items():
-        file = path / name
-        if not file.is_file() or file.stat().st_size != size:
-            return None
-    return state
+    except OSError:
+        return None, [f"{path / STATE_NAME}: missing"]
+    except ValueError as error:
+        return None, [f"{path / STATE_NAME}: not valid JSON ({error})"]
+    if not isinstance(state, dict) or not state.get("complete"):
+        return None, [f"{path / STATE_NAME}: not marked complete"]
+    problems = []
+    for name, entry in state.get("files", {}).items():
+        file, (size, digest) = path / name, _recorded(entry)
+        if not file.is_file():
+            problems.append(f"{file}: missing")
+        elif file.stat().st_size != size:
+            problems.append(f"{file}: {file.stat().st_size} bytes, {STATE_NAME} recorded {size} (truncated)")
+        elif checksums and digest is not None and _sha256(file) != digest:
+            problems.append(f"{file}: sha256 differs from the one recorded when it was saved (damaged)")
+    return state, problems
+
+
+def read_state(path: str | os.PathLike) -> dict | None:
+    """The trainer state of a checkpoint folder, or None when the folder is not a complete one
+    (sizes checked, not checksums)."""
+    state, problems = state_problems(path)
+    return None if problems else state
+
+
+def run_id(state: dict | None) -> str | None:
+    return ((state or {}).get(RUN_KEY) or {}).get("id")
 
 
 def list_checkpoints(root: str | os.PathLike) -> list[tuple[int, Path]]:
@@ -112,38 +169,136 @@ def list_checkpoints(root: str | os.PathLike) -> list[tuple[int, Path]]:
     return sorted(found)
 
 
-def latest_valid_checkpoint(root: str | os.PathLike) -> Path | None:
+def latest_valid_checkpoint(root: str | os.PathLike, run: str | None = None) -> Path | None:
+    """The newest complete checkpoint (of run id `run` when given)."""
     for _, path in reversed(list_checkpoints(root)):
-        if read_state(path) is not None:
+        state = read_state(path)
+        if state is not None and (run is None or run_id(state) == run):
             return path
     return None
 
 
-def prune_checkpoints(root: str | os.PathLike, keep_last: int, keep_steps: set[int] = frozenset()) -> None:
+def prune_checkpoints(root: str | os.PathLike, keep_last: int, keep_steps: set[int] = frozenset(),
+                      run: str | None = None) -> None:
     """Delete all but the newest `keep_last` valid checkpoints and those in keep_steps (the best),
-    plus invalid folders and leftovers of interrupted writes."""
+    plus invalid folders and leftovers of interrupted writes. With `run`, only checkpoints whose
+    state names that run id are considered: another run's are never touched."""
     root = Path(root)
-    valid = [(step, path) for step, path in list_checkpoints(root) if read_state(path) is not None]
-    keep = {step for step, _ in valid[-keep_last:]} | set(keep_steps)
+    ours = []
     for step, path in list_checkpoints(root):
-        if step not in keep or read_state(path) is None:
+        state, problems = state_problems(path)
+        if run is None or run_id(state) == run:
+            ours.append((step, path, not problems))
+    keep = {step for step, _, valid in ours if valid}
+    keep = set(sorted(keep)[-keep_last:]) | set(keep_steps)
+    for step, path, valid in ours:
+        if step not in keep or not valid:
             shutil.rmtree(path, ignore_errors=True)
     for path in root.glob(".tmp-step-*"):
         shutil.rmtree(path, ignore_errors=True)
 
 
-def load_checkpoint(path: str | os.PathLike, device: str | torch.device = "cpu") -> dict:
-    """{state, model (head state dict), optimizer, scheduler, rng: [per-rank]} of a valid checkpoint."""
-    from safetensors.torch import load_file
+def _torch_file(path: Path, device="cpu"):
+    """torch.load(weights_only=True) whose failures name the file. Torch's own message advises
+    weights_only=False, which would unpickle arbitrary code from a damaged or foreign file: not
+    passed on."""
+    try:
+        return torch.load(path, map_location=device, weights_only=True)
+    except Exception as error:  # noqa: BLE001 - pickle, zip and legacy-format errors alike
+        raise CheckpointError(f"{path}: not a readable checkpoint file ({type(error).__name__}); it is damaged "
+                              "or was not written by specheads") from None
 
+
+def load_checkpoint(path: str | os.PathLike, device: str | torch.device = "cpu") -> dict:
+    """{state, model (head state dict), optimizer, scheduler, rng: [per-rank]} of a valid checkpoint;
+    every file is checked against its recorded size and sha256 first (CheckpointError naming it)."""
     path = Path(path)
-    state = read_state(path)
-    if state is None:
-        raise ValueError(f"{path} is not a complete checkpoint ({STATE_NAME} missing, incomplete or files truncated)")
+    state, problems = state_problems(path, checksums=True)
+    if problems:
+        raise CheckpointError(f"{path} is not a usable checkpoint: " + "; ".join(problems))
+    try:
+        model = read_weights(path / "model.safetensors", device)
+    except HeadFileError as error:
+        raise CheckpointError(str(error)) from None
     return {
         "state": state,
-        "model": load_file(str(path / "model.safetensors"), device=str(device)),
-        "optimizer": torch.load(path / "optimizer.pt", map_location=device, weights_only=True),
-        "scheduler": torch.load(path / "scheduler.pt", weights_only=True),
-        "rng": torch.load(path / "rng.pt", weights_only=True)["ranks"],
+        "model": model,
+        "optimizer": _torch_file(path / "optimizer.pt", device),
+        "scheduler": _torch_file(path / "scheduler.pt"),
+        "rng": _torch_file(path / "rng.pt")["ranks"],
     }
+
+
+def _check_identity(path: Path, state: dict, identity: dict | None) -> None:
+    if identity is None:
+        return
+    saved = state.get(RUN_KEY)
+    if saved is None:
+        log.warning("%s records no run identity (saved by an older specheads): resuming it unchecked", path)
+        return
+    differences = identity_differences(saved, identity)
+    if differences:
+        raise CheckpointError(
+            f"{path} belongs to another run; resuming it would credit this run's settings to its weights. "
+            "Differences: " + "; ".join(differences) + ". Use a new trainer.output_dir (trainer.init_from=<that "
+            "checkpoint> starts a new run from its weights), or restore the settings to continue it.")
+
+
+def _set_aside(path: Path) -> None:
+    """Rename a damaged checkpoint so no later resume or pruning counts it (kept for inspection)."""
+    for n in range(100):
+        aside = path.with_name(f"{path.name}.damaged" + (f"-{n}" if n else ""))
+        if not aside.exists():
+            try:
+                os.replace(path, aside)
+                log.warning("moved the damaged checkpoint %s aside to %s", path, aside)
+            except OSError:  # another process moved it first
+                pass
+            return
+
+
+def find_resume(resume: str, root: str | os.PathLike, identity: dict | None = None,
+                main_process: bool = True) -> tuple[Path | None, dict | None]:
+    """Where training starts -> (checkpoint folder, loaded checkpoint) or (None, None) for a fresh run.
+
+    resume: `never` (a fresh run; refused when `root` already holds checkpoints), `auto` (the
+    newest checkpoint under `root`) or a path (a checkpoint, or a run or checkpoints folder: its
+    newest). A newest checkpoint that fails its checks is reported with a WARNING naming the file
+    (and, on the main process, renamed `*.damaged`) and the previous one is tried. A checkpoint of
+    another run (`identity` differs) is refused naming the fields; so is a folder of checkpoints
+    none of which loads."""
+    root = Path(root)
+    if resume == "never":
+        found = list_checkpoints(root)
+        if found:
+            raise CheckpointError(
+                f"trainer.resume=never, but {root} holds checkpoints ({', '.join(p.name for _, p in found[-3:])}) "
+                "of an earlier run; a fresh run there would mix with them. Use a new trainer.output_dir, move "
+                f"{root} away, or resume=auto to continue that run.")
+        return None, None
+    if resume != "auto":
+        path = Path(resume)
+        if path.name != "checkpoints" and not (path / "checkpoints").is_dir():
+            state, problems = state_problems(path)
+            if problems:
+                raise CheckpointError(f"trainer.resume={resume}: " + "; ".join(problems))
+            _check_identity(path, state, identity)
+            return path, load_checkpoint(path)
+        root = path if path.name == "checkpoints" else path / "checkpoints"
+    failures = []
+    for _, path in reversed(list_checkpoints(root)):
+        state, problems = state_problems(path)
+        if not problems:
+            _check_identity(path, state, identity)
+            try:
+                return path, load_checkpoint(path)
+            except CheckpointError as error:
+                problems = [str(error)]
+        log.warning("cannot resume from %s (%s); trying the previous checkpoint", path, "; ".join(problems))
+        failures.append(f"{path.name}: {'; '.join(problems)}")
+        if main_process and state is not None:
+            _set_aside(path)
+    if failures:
+        raise CheckpointError(f"no checkpoint under {root} can be resumed: " + " | ".join(failures)
+                              + f". Move {root} away to start afresh.")
+    return None, None

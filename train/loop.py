@@ -21,7 +21,7 @@ from heads.eagle import EagleConfig, init_from_target as init_eagle, set_fc_by_r
 from heads.io import build_head, load_head, read_head_meta
 from heads.medusa import MedusaConfig, init_from_target as init_medusa
 from train.checkpoint import (
-    latest_valid_checkpoint, load_checkpoint, prune_checkpoints, rng_state, save_checkpoint, set_rng_state,
+    TrainingDiverged, find_resume, prune_checkpoints, rng_state, save_checkpoint, set_rng_state,
 )
 from train.data_order import BatchStream, eval_batches
 from train.evaluate import run_eval
@@ -30,13 +30,10 @@ from train.objectives import (
     FeatureSource, FrozenParts, MemoizedFeatures, OnlineFeatures, eagle_step, frequent_reply_tokens, medusa_step,
     ridge_sums,
 )
+from train.run_identity import run_identity
 
 log = logging.getLogger(__name__)
 BEST_METRIC = "eval/acceptance_length"  # higher is better
-
-
-class TrainingDiverged(RuntimeError):
-    """A non-finite loss or gradient norm; the last good checkpoint is kept."""
 
 
 @dataclass
@@ -89,17 +86,6 @@ def build_head_for_job(job, target, initial=None):
     return head, config
 
 
-def _resume_path(trainer, root: Path) -> Path | None:
-    if trainer.resume == "never":
-        return None
-    if trainer.resume == "auto":
-        return latest_valid_checkpoint(root)
-    path = Path(trainer.resume)
-    if path.name == "checkpoints" or (path / "checkpoints").is_dir():
-        path = latest_valid_checkpoint(path if path.name == "checkpoints" else path / "checkpoints")
-    return path
-
-
 def train_heads(job, target, data, source: FeatureSource | None = None, accelerator=None,
                 initial=None) -> TrainResult:
     """Train the job's head on `data` (PreparedData: .train/.eval rows with input_ids, loss_mask, id)
@@ -146,8 +132,8 @@ def train_heads(job, target, data, source: FeatureSource | None = None, accelera
     held_out = eval_batches(data.eval, t.batch_size, world, rank, t.eval_batches, pad_id, device)
     state = {"step": 0, "tokens": 0, "elapsed_seconds": 0.0, "best": None, "last_eval": {}}
 
-    resume = _resume_path(t, root)
-    checkpoint = load_checkpoint(resume, "cpu") if resume is not None else None
+    identity = run_identity(job, target, data.train, world)
+    resume, checkpoint = find_resume(t.resume, root, identity, main)  # refuses another run's checkpoints
     if checkpoint is None and not t.init_from and kind == "eagle" and job.heads.eagle.init_fc == "ridge":
         _fit_fc(head, job.heads.eagle, parts, source, data.train, t, world, rank, pad_id, device, reduce)
     if checkpoint is not None:
@@ -192,8 +178,9 @@ def train_heads(job, target, data, source: FeatureSource | None = None, accelera
         with full_parameters(accelerator, head) as module:  # ZeRO-3: whole weights on every process
             if main:
                 path = save_checkpoint(root, step, module, head_config, optimizer_state, scheduler.state_dict(),
-                                       rngs, {**state, "data_position": stream.position(), "eval": eval_metrics or {}})
-                prune_checkpoints(root, t.keep_last, {best_step} if best_step is not None else set())
+                                       rngs, {**state, "data_position": stream.position(), "eval": eval_metrics or {},
+                                              "run": identity})
+                prune_checkpoints(root, t.keep_last, {best_step} if best_step is not None else set(), identity["id"])
         accelerator.wait_for_everyone()
         last_saved = root / path.name if path else root / f"step-{step:08d}"
         return last_saved

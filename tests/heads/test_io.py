@@ -47,3 +47,50 @@ def test_mismatched_target_is_refused(tmp_path, target):
 def test_missing_config_is_clear(tmp_path):
     with pytest.raises(FileNotFoundError, match="head_config.json"):
         load_head(tmp_path)
+
+
+def _saved(tmp_path, target):
+    config = EagleConfig.from_target(target)
+    save_head(tmp_path, EagleHead(config), config)
+    return tmp_path
+
+
+def test_non_finite_weights_are_refused_on_save_and_load(tmp_path, target):
+    from safetensors.torch import load_file, save_file
+
+    from heads.io import HeadFileError
+
+    config = EagleConfig.from_target(target)
+    head = EagleHead(config)
+    with torch.no_grad():
+        head.fc.weight[0, 0] = float("nan")
+    with pytest.raises(HeadFileError, match=r"not written, the head holds NaN or infinite weights in \['fc.weight'\]"):
+        save_head(tmp_path / "nan", head, config)
+    assert not (tmp_path / "nan").exists()
+    folder = _saved(tmp_path / "ok", target)
+    state = load_file(str(folder / "model.safetensors"))
+    state["fc.weight"][1, 2] = float("inf")
+    save_file(state, str(folder / "model.safetensors"))
+    with pytest.raises(HeadFileError, match=r"ok/model.safetensors: NaN or infinite values in \['fc.weight'\]"):
+        load_head(folder, target)
+
+
+def test_damaged_files_are_named(tmp_path, target):
+    from heads.io import HeadFileError
+
+    folder = _saved(tmp_path, target)
+    weights = folder / "model.safetensors"
+    good = weights.read_bytes()
+    weights.write_bytes(good[: len(good) // 2])
+    with pytest.raises(HeadFileError, match=r"model.safetensors: not a readable safetensors file"):
+        load_head(folder, target)
+    weights.write_bytes(good)
+    (folder / "head_config.json").write_text('{"type": "eagle", "config": {')
+    with pytest.raises(HeadFileError, match=r"head_config.json: not valid JSON"):
+        load_head(folder, target)
+    (folder / "head_config.json").write_text("[1, 2]")
+    with pytest.raises(HeadFileError, match=r"head_config.json: a JSON list, expected an object"):
+        load_head(folder, target)
+    (folder / "head_config.json").write_text('{"type": "eagle", "config": {"no_such_field": 1}}')
+    with pytest.raises(HeadFileError, match=r"head_config.json: .*no_such_field"):
+        load_head(folder, target)

@@ -22,6 +22,9 @@ class ToyTokenizer:
     def decode(self, ids, skip_special_tokens=True):
         return "".join(chr(97 + i % 26) for i in ids if not (skip_special_tokens and i < 3))
 
+    def get_vocab(self):
+        return {chr(c): 3 + c % 120 for c in range(32, 127)}
+
 
 def _records(n):
     return [{"id": f"c{i}", "messages": [
@@ -123,7 +126,8 @@ def test_max_turns_keeps_the_first_exchanges_only(tmp_path):
 def test_a_shard_from_other_records_or_settings_is_written_again(tmp_path):
     """Raising max_records turns the old last shard into a partial one (its records are a prefix
     of the new shard's): it must be regenerated, not reused; so must shards made with other
-    settings. A shard without a key (written before keys existed) is reused as is."""
+    settings. A shard without a key (written before keys existed, by an unknown target and
+    settings) is written again too."""
     config = RegenerateConfig(enabled=True, max_new_tokens=4, batch_size=2, shard_size=2)
     generate = hf_generate_fn(tiny_model(), pad_id=0, eos_ids=[2])
     tokenizer, out = ToyTokenizer(), tmp_path / "regen"
@@ -136,8 +140,9 @@ def test_a_shard_from_other_records_or_settings_is_written_again(tmp_path):
     assert counting.calls == 0
     longer = RegenerateConfig(enabled=True, max_new_tokens=6, batch_size=2, shard_size=2)
     assert regenerate(_records(4), tokenizer, generate, out, longer, progress=False)["written"] == [0, 1]
+    assert regenerate(_records(4), tokenizer, generate, out, longer, progress=False)["written"] == []
     (out / (shard_name(0) + ".key")).unlink()
-    assert regenerate(_records(4), tokenizer, generate, out, config, progress=False)["written"] == [1]
+    assert regenerate(_records(4), tokenizer, generate, out, longer, progress=False)["written"] == [0]
 
 
 def test_a_shard_written_by_another_target_is_written_again(tmp_path):

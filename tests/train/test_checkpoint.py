@@ -49,7 +49,7 @@ def test_truncated_or_unfinished_checkpoints_are_skipped(tmp_path, target):
     (tmp_path / ".tmp-step-00000006").mkdir()  # leftover of an interrupted save
     assert read_state(newer) is None
     assert latest_valid_checkpoint(tmp_path).name == "step-00000002"
-    with pytest.raises(ValueError, match="not a complete checkpoint"):
+    with pytest.raises(ValueError, match=r"model.safetensors: 100 bytes, trainer_state.json recorded \d+ \(truncated\)"):
         load_checkpoint(newer)
     state = json.loads((tmp_path / "step-00000002" / "trainer_state.json").read_text())
     state["complete"] = False
@@ -77,3 +77,40 @@ def test_rng_round_trip():
     set_rng_state(state)
     b = (random.random(), torch.rand(3))
     assert a[0] == b[0] and torch.equal(a[1], b[1])
+
+
+def test_checksums_catch_same_size_damage_and_name_the_file(tmp_path, target):
+    from train.checkpoint import CheckpointError
+
+    path, _ = _save(tmp_path, 1, target)
+    assert read_state(path)["files"]["optimizer.pt"]["sha256"]
+    optimizer = path / "optimizer.pt"
+    optimizer.write_bytes(bytes(optimizer.stat().st_size))  # zeroed by a failing disk
+    assert read_state(path) is not None  # sizes agree: listing stays cheap
+    with pytest.raises(CheckpointError, match=r"optimizer.pt: sha256 differs"):
+        load_checkpoint(path)
+
+
+def test_a_zeroed_torch_file_without_checksums_gets_no_unsafe_advice(tmp_path, target):
+    from train.checkpoint import CheckpointError
+
+    path, _ = _save(tmp_path, 1, target)
+    state = json.loads((path / "trainer_state.json").read_text())
+    state["files"] = {name: entry["bytes"] for name, entry in state["files"].items()}  # an older checkpoint
+    (path / "trainer_state.json").write_text(json.dumps(state))
+    optimizer = path / "optimizer.pt"
+    optimizer.write_bytes(bytes(optimizer.stat().st_size))
+    with pytest.raises(CheckpointError, match=r"optimizer.pt: not a readable checkpoint file") as error:
+        load_checkpoint(path)
+    assert "weights_only" not in str(error.value)
+
+
+def test_non_finite_weights_are_not_checkpointed(tmp_path, target):
+    from train.checkpoint import TrainingDiverged
+
+    good, head = _save(tmp_path, 2, target, {"run": {"id": "r1"}})
+    with torch.no_grad():
+        head.fc.weight.fill_(float("inf"))
+    with pytest.raises(TrainingDiverged, match=r"non-finite weights after step 3 \(\['fc.weight'\]\).*step-00000002"):
+        save_checkpoint(tmp_path, 3, head, head.config, {}, {}, [], {"run": {"id": "r1"}})
+    assert [p.name for p in tmp_path.iterdir()] == ["step-00000002"]
