@@ -23,8 +23,9 @@ EMBEDDED_SHAREGPT_RECORDS = 17_671
 SHAREGPT_MEAN_TOKENS = 1_790
 # The ShareGPT set the EAGLE and Medusa papers train on, for sources the plan cannot count.
 DEFAULT_RECORDS = 68_000
-# Vocabulary-sized fp32 tensors alive per token in the loss (logits, softmax, gradient).
-_VOCAB_TENSORS = {"eagle": 5, "medusa": 3}
+# Vocabulary-sized fp32 tensors alive per token in the loss (logits, softmax, gradient); EAGLE-3:
+# per unrolled step over the draft vocabulary, plus the teacher's logits held once.
+_VOCAB_TENSORS = {"eagle": 5, "medusa": 3, "eagle3": 3}
 # Hidden-sized tensors a decoder layer keeps for backward, per token (rough, flash attention).
 _LAYER_ACTIVATIONS = 34
 
@@ -56,6 +57,7 @@ class Plan:
     extraction_replicas_per_node: int = 0
     training: list[Item] = field(default_factory=list)
     cache_bytes: float = 0.0
+    cache_layers: int = 1  # target hidden-state layers stored per token
     cache_free_bytes: float | None = None
     gpu_budget_gb: float = 0.0
     problems: list[str] = field(default_factory=list)
@@ -99,6 +101,12 @@ def head_parameter_counts(job: JobConfig) -> tuple[int, int]:
     """
     arch = _require(job.model.arch)
     D, I, V = arch.hidden_size, arch.intermediate_size, arch.vocab_size
+    if job.heads.type == "eagle3":
+        head_dim = D // arch.num_attention_heads
+        qkv = 2 * D * (arch.num_attention_heads + 2 * arch.num_key_value_heads) * head_dim  # reads 2D columns
+        attention = qkv + arch.num_attention_heads * head_dim * D
+        fc = aux_layer_count(job) * D * D
+        return fc + attention + 3 * D * I + 4 * D + draft_vocab(job) * D, 2 * V * D
     if job.heads.type == "eagle":
         head_dim = D // arch.num_attention_heads
         attention = 2 * D * arch.num_attention_heads * head_dim + 2 * D * arch.num_key_value_heads * head_dim
@@ -112,8 +120,23 @@ def head_parameter_counts(job: JobConfig) -> tuple[int, int]:
 
 
 def feature_layers(job: JobConfig) -> int:
-    """How many target hidden-state layers the head reads (EAGLE-1 and Medusa: the last one)."""
-    return 1
+    """How many target hidden-state layers the head reads (EAGLE-1 and Medusa: the last one;
+    EAGLE-3: its aux streams plus the final state its teacher's logits come from)."""
+    return aux_layer_count(job) + 1 if job.heads.type == "eagle3" else 1
+
+
+def aux_layer_count(job: JobConfig) -> int:
+    """EAGLE-3's aux streams (three by default: [2, L//2, L-3])."""
+    ids = job.heads.eagle3.aux_layer_ids
+    return 3 if ids is None else len(ids)
+
+
+def draft_vocab(job: JobConfig) -> int:
+    """EAGLE-3's draft vocabulary size Vd (heads.eagle3.draft_vocab_size, else the runtime's; 0: V)."""
+    size = job.heads.eagle3.draft_vocab_size
+    size = job.runtime.draft_vocab_size if size is None else size
+    V = job.model.arch.vocab_size
+    return min(size, V) if size else V
 
 
 def estimate_records(job: JobConfig) -> tuple[int, bool]:
@@ -194,9 +217,14 @@ def _head_items(job: JobConfig, world: int, dtype_bytes: int) -> list[Item]:
     items = [Item("frozen embedding + lm_head", frozen * dtype_bytes / GB, "the target's, read by the head")] if frozen else []
     stage = ds.zero_stage if ds.enabled else 0
     items += _zero_states(trainable, stage, world if ds.enabled else 1, dtype_bytes == 2, ds.offload_optimizer and ds.enabled)
-    vocab_tensors = _VOCAB_TENSORS[job.heads.type] * (job.heads.medusa.num_heads if job.heads.type == "medusa" else 1)
-    head_layers = 1 if job.heads.type == "eagle" else job.heads.medusa.num_layers
-    per_token = _LAYER_ACTIVATIONS * arch.hidden_size * head_layers * dtype_bytes + vocab_tensors * arch.vocab_size * 4
+    if job.heads.type == "eagle3":  # every unrolled step keeps a layer's activations and its Vd logits
+        steps = job.heads.eagle3.ttt_steps
+        head_layers, vocab_bytes = steps, (_VOCAB_TENSORS["eagle3"] * steps + 1) * draft_vocab(job) * 4
+    else:
+        vocab_tensors = _VOCAB_TENSORS[job.heads.type] * (job.heads.medusa.num_heads if job.heads.type == "medusa" else 1)
+        head_layers = 1 if job.heads.type == "eagle" else job.heads.medusa.num_layers
+        vocab_bytes = vocab_tensors * arch.vocab_size * 4
+    per_token = _LAYER_ACTIVATIONS * arch.hidden_size * head_layers * dtype_bytes + vocab_bytes
     items.append(Item("activations", B * T * per_token / GB, f"estimate, micro-batch {B} x {T} tokens"))
     return items
 
@@ -226,8 +254,11 @@ def make_plan(job: JobConfig, num_records: int | None = None, tokens_per_record:
             layer_gb = decoder_layer_parameter_count(arch) * dtype_bytes / GB
             training.insert(1, Item("target decoder layers", count * layer_gb,
                                     f"{count} of {arch.num_hidden_layers}: layer 0's shape, heads.eagle.init_layer's weights"))
+        elif job.heads.type == "eagle3":
+            layer_gb = decoder_layer_parameter_count(arch) * dtype_bytes / GB
+            training.insert(1, Item("target decoder layers", layer_gb, f"1 of {arch.num_hidden_layers}: layer 0's shape"))
         training.append(Item("feature batch", B * T * D * layers * dtype_bytes / GB,
-                             "read from the cache; the rest of the target not loaded"))
+                             f"{layers} layer(s) read from the cache; the rest of the target not loaded"))
     else:
         span = target_span(job)
         world //= span
@@ -262,6 +293,7 @@ def make_plan(job: JobConfig, num_records: int | None = None, tokens_per_record:
         cache_element = 4 if job.data.feature_cache_dtype == "float32" else 2
         # hidden states + input ids (int32) + loss mask (1 byte) per token
         plan.cache_bytes = num_records * tokens_per_record * (D * layers * cache_element + 4 + 1)
+        plan.cache_layers = layers
         plan.cache_free_bytes = _free_bytes(cache_dir or job.data.feature_cache_dir or trainer.output_dir)
     _check(plan, job)
     return plan
@@ -315,7 +347,7 @@ def format_plan(plan: Plan) -> str:
         lines.append(f"  feature extraction, per GPU ({plan.extraction_gb:.1f} / {plan.gpu_budget_gb:.1f} GB usable):")
         lines += [f"    {i.name:<28} {i.gigabytes:8.2f} GB  {i.note}" for i in plan.feature_extraction]
         free = "unknown" if plan.cache_free_bytes is None else f"{plan.cache_free_bytes / GB:,.0f} GB free"
-        lines.append(f"  feature cache on disk: {plan.cache_bytes / GB:,.1f} GB ({free})")
+        lines.append(f"  feature cache on disk: {plan.cache_bytes / GB:,.1f} GB, {plan.cache_layers} layer(s) per token ({free})")
     lines.append(f"  training, per GPU ({plan.training_gb:.1f} / {plan.gpu_budget_gb:.1f} GB usable):")
     lines += [f"    {i.name:<28} {i.gigabytes:8.2f} GB  {i.note}" for i in plan.training]
     if plan.problems:

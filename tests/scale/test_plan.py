@@ -90,9 +90,13 @@ def test_bad_deepspeed_values_are_config_errors():
 
 @pytest.mark.parametrize("overrides", [["heads=eagle"], ["heads=eagle", "heads.eagle.fc_bias=true"],
                                        ["heads=medusa", "heads.medusa.num_layers=2"],
-                                       ["heads=medusa", "heads.medusa.share_lm_head=true"]])
+                                       ["heads=medusa", "heads.medusa.share_lm_head=true"],
+                                       ["heads=eagle3", "heads.eagle3.aux_layer_ids=[0,1,1]",
+                                        "heads.eagle3.draft_vocab_size=40"],
+                                       ["heads=eagle3", "heads.eagle3.aux_layer_ids=[1]", "heads.eagle3.draft_vocab_size=0"]])
 def test_planned_trainable_count_is_the_real_heads(overrides):
     from heads.eagle import EagleConfig
+    from heads.eagle3 import Eagle3Config
     from heads.io import build_head
     from heads.medusa import MedusaConfig
     from tests.tiny import tiny_target
@@ -102,6 +106,10 @@ def test_planned_trainable_count_is_the_real_heads(overrides):
     target = tiny_target()
     if job.heads.type == "eagle":
         config = EagleConfig.from_target(target, fc_bias=job.heads.eagle.fc_bias)
+    elif job.heads.type == "eagle3":
+        e3 = job.heads.eagle3
+        config = Eagle3Config.from_target(target, draft_vocab_size=e3.draft_vocab_size or None,
+                                          aux_layer_ids=e3.aux_layer_ids)
     else:
         m = job.heads.medusa
         config = MedusaConfig.from_target(target, num_heads=m.num_heads, num_layers=m.num_layers,
@@ -126,3 +134,20 @@ def test_offline_eagle_training_counts_the_target_layers_loaded_beside_the_cache
     assert layers.gigabytes == pytest.approx(0.856e9 * 2 / 1e9, rel=0.01)
     medusa = make_plan(compose_job(["+recipe=medusa_vicuna_7b", "data.mode=offline"]), cache_dir="/")
     assert not any(item.name == "target decoder layers" for item in medusa.training)
+
+
+def test_eagle3_feature_cache_holds_three_aux_layers_and_the_final_state():
+    eagle = make_plan(compose_job(["+recipe=eagle_llama3_70b", "heads=eagle"]), cache_dir="/")
+    eagle3 = make_plan(compose_job(["+recipe=eagle_llama3_70b", "heads=eagle3"]), cache_dir="/")
+    assert (eagle.cache_layers, eagle3.cache_layers) == (1, 4)
+    assert eagle3.cache_bytes == pytest.approx(4 * eagle.cache_bytes, rel=1e-3)  # ids and mask are per token
+    assert "4 layer(s) per token" in format_plan(eagle3)
+    layers = {item.name: item for item in eagle3.training}["target decoder layers"]
+    assert layers.gigabytes == pytest.approx(0.856e9 * 2 / 1e9, rel=0.01)  # layer 0's shape only
+    two = make_plan(compose_job(["+recipe=eagle_llama3_70b", "heads=eagle3", "heads.eagle3.aux_layer_ids=[10,40]"]),
+                    cache_dir="/")
+    assert two.cache_layers == 3
+    longer = make_plan(compose_job(["+recipe=eagle_llama3_70b", "heads=eagle3", "heads.eagle3.ttt_steps=7"]),
+                       cache_dir="/")
+    activations = lambda plan: {i.name: i.gigabytes for i in plan.training}["activations"]  # noqa: E731
+    assert activations(longer) > 2 * activations(eagle3)  # every unrolled step keeps its activations
