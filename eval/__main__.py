@@ -2,7 +2,9 @@
 
 Measures drafters on held-out ShareGPT prompts (or a JSONL of prompts) and writes report.json,
 report.md and plots to `out`. `head` is a head checkpoint or an export folder; without it only the
-head-free drafters run (prompt_lookup, self_speculation). `head=release` is the trained EAGLE head
+head-free drafters run (prompt_lookup, self_speculation). `eagle_tree` and `eagle_chain` run an
+EAGLE-1/2 or an EAGLE-3 head alike (an EAGLE-3 head drafts over its own vocabulary, its d2t map;
+`runtime.draft_vocab_size` applies to the others). `head=release` is the trained EAGLE head
 shipped in the repository for the embedded default (SmolLM2-135M-Instruct), the export folder
 `heads/release/eagle_smollm2_135m/`:
 
@@ -115,6 +117,7 @@ def load_eval_head(head: str, target, strict_fingerprint: bool = True):
 
 def run(cfg: EvalEntryConfig) -> dict:
     from eval.run import HEAD_DRAFTERS, evaluate, frequent_token_ids
+    from heads.eagle3 import Eagle3Head
     from heads.target import load_target
 
     runtime = cfg.runtime
@@ -133,7 +136,9 @@ def run(cfg: EvalEntryConfig) -> dict:
         drafters = kept
     prompts = load_prompts(cfg, target.tokenizer)
     draft_vocab = None
-    if runtime.draft_vocab_size and head is not None:
+    if isinstance(head, Eagle3Head):
+        log.info("draft vocabulary: the EAGLE-3 head's own %d tokens (d2t)", head.config.draft_vocab_size)
+    elif runtime.draft_vocab_size and head is not None:
         draft_vocab = frequent_token_ids(training_reply_tokens(cfg.data, target.tokenizer), runtime.draft_vocab_size)
         log.info("draft vocabulary: the %d most frequent tokens of training replies", len(draft_vocab))
     logger = cfg.logger or {}

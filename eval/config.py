@@ -30,7 +30,7 @@ class RuntimeConfig:
     tree_sweep: list[int] = field(default_factory=lambda: [4, 8, 16, 32])  # eagle_tree total_tokens sweep
     draft_layers: int | None = None  # self_speculation: target layers in the draft; None = a quarter
     prompt_lookup_tokens: int = 8  # prompt_lookup: longest drafted chain
-    draft_vocab_size: int = 0  # EAGLE/Medusa drafts over the N most frequent training-reply tokens; 0 = full vocabulary
+    draft_vocab_size: int = 0  # EAGLE-1/2 and Medusa drafts over the N most frequent training-reply tokens; 0 = full vocabulary (EAGLE-3 heads carry their own)
     seed: int = 0  # sampling generators (one per prompt, the same for every method)
     fuse_projections: bool = True  # lean forward: fused q|k|v and gate|up matmuls (LeanLlama.from_hf)
     # Never speculate at a loss: EAGLE, Medusa and prompt-lookup steps fall back to plain decoding while

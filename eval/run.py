@@ -25,13 +25,15 @@ from eval.model import LeanLlama
 from eval.report import write_report
 from eval.sampling import SamplingConfig
 from heads.eagle import EagleHead
+from heads.eagle3 import Eagle3Head
 from heads.medusa import MedusaHeads
 from heads.vocab import most_frequent_ids
 
 log = logging.getLogger(__name__)
 
 DRAFTERS = ("medusa", "eagle_chain", "eagle_tree", "prompt_lookup", "self_speculation", "draft_model")
-HEAD_DRAFTERS = {"medusa": MedusaHeads, "eagle_chain": EagleHead, "eagle_tree": EagleHead}
+EAGLE_HEADS = (EagleHead, Eagle3Head)  # the EAGLE drafters run EAGLE-1/2 and EAGLE-3 heads alike
+HEAD_DRAFTERS = {"medusa": (MedusaHeads,), "eagle_chain": EAGLE_HEADS, "eagle_tree": EAGLE_HEADS}
 GATED_DRAFTERS = ("medusa", "eagle_chain", "eagle_tree", "prompt_lookup")  # runtime.fallback (draft models gate themselves)
 
 
@@ -92,6 +94,10 @@ def build_methods(names: Sequence[str], runtime: RuntimeConfig, lean: LeanLlama,
     """Drafter names -> Methods (plain first). Head drafters whose head is missing are skipped
     with a warning. Returns (methods, extra report fields). `progress`: bars over the calibrations."""
     names, methods, extra = list(names), [Method("plain", None)], {}
+    if isinstance(head, Eagle3Head) and draft_vocab is not None:
+        log.warning("the EAGLE-3 head drafts over its own %d-token vocabulary (d2t); draft_vocab is not used",
+                    head.config.draft_vocab_size)
+        draft_vocab = None
     gate = {"fallback": runtime.fallback}
     plain_seconds = _plain_seconds(lean, prompts) if runtime.fallback and set(names) & set(GATED_DRAFTERS) else 0.0
     for name in names:
@@ -99,9 +105,12 @@ def build_methods(names: Sequence[str], runtime: RuntimeConfig, lean: LeanLlama,
             raise ValueError(f"runtime.drafters: unknown drafter {name!r} (one of {DRAFTERS})")
         needed = HEAD_DRAFTERS.get(name)
         if needed is not None and not isinstance(head, needed):
-            log.warning("skipping %s: it needs a %s head (got %s)", name, needed.__name__, type(head).__name__)
+            log.warning("skipping %s: it needs a %s head (got %s)", name, " or ".join(k.__name__ for k in needed),
+                        type(head).__name__)
             continue
         vocab = {} if draft_vocab is None else {"draft_vocab": len(draft_vocab)}
+        if isinstance(head, Eagle3Head):
+            vocab = {"draft_vocab": head.config.draft_vocab_size}
         if name == "prompt_lookup":
             methods.append(Method(name, _gated(lambda: PromptLookupDrafter(runtime.prompt_lookup_tokens), runtime,
                                                plain_seconds),
@@ -218,9 +227,10 @@ def evaluate(target, prompts: Sequence[Sequence[int]], drafter_specs: Sequence[s
              out_dir: str | Path = "runs/eval", progress: bool = True,
              eos_token_ids: Sequence[int] | None = None, draft_vocab: torch.Tensor | None = None) -> dict:
     """Measure every drafter in `drafter_specs` (default runtime.drafters) on `prompts` (token id
-    lists) with the target (a `heads.target.FrozenTarget`; `head` an EagleHead or MedusaHeads, or
-    None for head-free drafters only). draft_vocab: optional (Vd,) token ids for EAGLE/Medusa drafts
-    (`frequent_token_ids` of training replies; runtime.draft_vocab_size says how many). Writes report.json, report.md and PNG plots to out_dir;
+    lists) with the target (a `heads.target.FrozenTarget`; `head` an EagleHead, Eagle3Head or
+    MedusaHeads, or None for head-free drafters only). draft_vocab: optional (Vd,) token ids for
+    EAGLE-1/2 and Medusa drafts (`frequent_token_ids` of training replies; runtime.draft_vocab_size
+    says how many); an EAGLE-3 head drafts over its own (d2t). Writes report.json, report.md and PNG plots to out_dir;
     logs to W&B when a run is active. Returns the report dict."""
     from tqdm import tqdm
 

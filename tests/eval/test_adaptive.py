@@ -1,6 +1,6 @@
 """Never speculate at a loss: the gate's decisions, and lossless greedy output through
-`FallbackDrafter` when speculation switches off and on mid-sequence (EAGLE catching up on the
-features of plain steps in one batch)."""
+`FallbackDrafter` when speculation switches off and on mid-sequence (EAGLE-1/2 and EAGLE-3 heads
+catching up on the features of plain steps in one batch)."""
 import pytest
 import torch
 
@@ -8,9 +8,11 @@ from eval.drafters import Candidates, DraftState
 from eval.drafters.adaptive import DecayedRatio, FallbackDrafter, ProbeSchedule, SpeculationGate
 from eval.drafters.eagle import EagleDrafter
 from eval.generate import plain_generate, speculative_generate
+from eval.model import LeanLlama
 from eval.sampling import SamplingConfig
+from heads.eagle3 import Eagle3Config, Eagle3Head
 from tests.eval.test_generate import OracleDrafter
-from tests.tiny import tiny_eagle_setup
+from tests.tiny import tiny_eagle_setup, tiny_target
 
 NEW_TOKENS = 24
 
@@ -125,9 +127,21 @@ def test_fallback_greedy_equals_plain_and_follows_acceptance(setup, right, wrong
         assert 0.2 <= fraction <= 0.4 and speculated[-4:].count(True) == 1
 
 
+@pytest.fixture(scope="module", params=["eagle", "eagle3"])
+def each_kind(request):
+    """(lean, head): the warm EAGLE-1/2 head, or a random EAGLE-3 head reading two streams (its hidden
+    path live, so the cache check below sees every stream of every caught-up position)."""
+    if request.param == "eagle":
+        _, lean, head = tiny_eagle_setup()
+        return lean, head
+    target = tiny_target()
+    head = Eagle3Head(Eagle3Config.from_target(target, aux_layer_ids=[1, 0])).eval()
+    return LeanLlama.from_hf(target.model, max_seq_len=256), head
+
+
 @pytest.mark.parametrize("mode", ["chain", "tree"])
-def test_eagle_behind_a_switching_gate_is_lossless_and_catches_up(setup, mode):
-    lean, head = setup
+def test_eagle_behind_a_switching_gate_is_lossless_and_catches_up(each_kind, mode):
+    lean, head = each_kind
     prompt = prompts(1)[0]
     plain = plain_generate(lean, prompt, NEW_TOKENS).tokens
     script = Script([True, False, False, True, False, True, True])
@@ -140,8 +154,10 @@ def test_eagle_behind_a_switching_gate_is_lossless_and_catches_up(setup, mode):
     # After plain steps the head cache was fed every committed position, as a fresh run would.
     sequence = torch.cat([prompt, torch.tensor(result.tokens)])
     length = drafter.cache_length
-    features = lean(sequence[:length], lean.new_cache(), hidden_layers=(-1,), logits="none").hidden[
-        lean.config.num_layers]  # (C, D)
+    hidden = lean(sequence[:length], lean.new_cache(), hidden_layers=drafter.feature_layers, logits="none").hidden
+    features = torch.cat([hidden[layer % (lean.config.num_layers + 1)] for layer in drafter.feature_layers], -1)
+    if isinstance(head, Eagle3Head):
+        features = head.project(features)  # (C, D)
     _, (k, _) = head(lean.embedding[sequence[1: length + 1]][None], features[None], torch.arange(length)[None],
                      use_cache=True)
     torch.testing.assert_close(drafter.past[0], k, atol=1e-5, rtol=1e-4)

@@ -1,6 +1,7 @@
 """EAGLE tree size from the measured verification-cost curve: the choice rule on hand-made curves,
 teacher-forced acceptance that matches the runtime's first step, and `tree_total_tokens: auto` with
-the fallback gate through `evaluate`."""
+the fallback gate through `evaluate`, for EAGLE-1/2 and EAGLE-3 heads (the latter over a draft
+vocabulary of 96 of the 128 ids)."""
 import pytest
 import torch
 
@@ -10,12 +11,21 @@ from eval.drafters.eagle import EagleDrafter, greedy_accepted, measure_tree_acce
 from eval.generate import plain_generate, speculative_generate
 from eval.calibrate import choose_tree_budget, monotone_costs, verify_costs
 from eval.run import evaluate
-from tests.tiny import tiny_eagle_setup
+from heads.eagle3 import Eagle3Head
+from tests.tiny import tiny_eagle3_setup, tiny_eagle_setup
 
 
 @pytest.fixture(scope="module")
 def setup():
     return tiny_eagle_setup()
+
+
+@pytest.fixture(scope="module", params=["eagle", "eagle3"])
+def each_kind(request):
+    """(target, lean, warm head) of each EAGLE head kind."""
+    if request.param == "eagle":
+        return tiny_eagle_setup()
+    return tiny_eagle3_setup(draft_vocab=torch.arange(128)[torch.arange(128) % 4 != 3])
 
 
 def prompts(count: int, length: int = 7):
@@ -42,10 +52,10 @@ def test_greedy_accepted_walks_the_matching_path():
     assert greedy_accepted(tree, [4]) == 0 and greedy_accepted(tree, []) == 0
 
 
-def test_teacher_forced_acceptance_matches_the_runtime(setup):
+def test_teacher_forced_acceptance_matches_the_runtime(each_kind):
     """At every root the runtime visits, the teacher-forced tree of each budget accepts exactly as
     many drafts as the runtime's step with that total_tokens did."""
-    _, lean, head = setup
+    _, lean, head = each_kind
     budgets, levels, new_tokens = [2, 3, 5, 8], 3, 16
     seen_accepts = 0
     for prompt in prompts(2):
@@ -69,8 +79,8 @@ def test_teacher_forced_acceptance_matches_the_runtime(setup):
     assert seen_accepts > 0  # the warm head gets drafts accepted: the comparison is not all zeros
 
 
-def test_evaluate_with_auto_tree_size_and_fallback(setup, tmp_path):
-    target, _, head = setup
+def test_evaluate_with_auto_tree_size_and_fallback(each_kind, tmp_path):
+    target, _, head = each_kind
     runtime = RuntimeConfig(max_new_tokens=12, tree_top_k=2, tree_depth=3, tree_total_tokens="auto",
                             tree_auto_sizes=[2, 4, 8, 32], tree_sweep=[4], fallback=True, fallback_probe_every=4,
                             compare_transformers=False, threads=1)
@@ -83,6 +93,9 @@ def test_evaluate_with_auto_tree_size_and_fallback(setup, tmp_path):
     rows = {row["name"]: row for row in report["drafters"]}
     tree = rows["eagle_tree"]
     assert tree["settings"]["total_tokens"] == budget["chosen"] and tree["settings"]["fallback"] is True
+    if isinstance(head, Eagle3Head):  # its own vocabulary, reported; the head named in the report
+        assert tree["settings"]["draft_vocab"] == 96 and report["head"]["type"] == "Eagle3Config"
+        assert report["head"]["aux_layer_ids"] == [0, 1] and tree["tau_when_speculating"] > 1.2
     assert report["recommended_runtime"]["total_tokens"] in (budget["chosen"], 4)
     for row in rows.values():
         assert row["greedy_identical"] is True and 0.0 <= row["speculated_fraction"] <= 1.0
