@@ -6,13 +6,13 @@ import os
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file
 
 from export.formats import DTYPES as _DTYPES
 from export.formats import EXPORT_FORMAT_VERSION, ExportError, Format, get_format, shape_problems
 from export.manifest import MANIFEST_NAME, sha256_file
 from heads.io import CONFIG_NAME as NATIVE_CONFIG_NAME
-from heads.io import build_buffers, build_head, check_against_target, config_from_dict, load_head
+from heads.io import (HeadFileError, build_buffers, build_head, check_against_target, config_from_dict,
+                      fingerprint_differences, load_head, non_finite_keys, read_weights)
 
 _REQUIRED = ("format", "format_version", "head_type", "dtype", "head_config", "base_model", "files", "runtime",
              "feature_layer")
@@ -75,12 +75,29 @@ def _file_problems(folder: Path, layout: Format, manifest: dict) -> list[str]:
     return problems
 
 
+def _identity_problems(manifest: dict, config) -> list[str]:
+    """The two records of the target, head_config.target_fingerprint (what eval checks) and
+    base_model.fingerprint (what `validate base=` checks), must name one model."""
+    head_side = getattr(config, "target_fingerprint", None)
+    if not head_side:
+        return []
+    return [f"{MANIFEST_NAME}: head_config.target_fingerprint.{key} {ours!r} differs from "
+            f"base_model.fingerprint.{key} {theirs!r}" for key, ours, theirs in
+            fingerprint_differences(head_side, manifest["base_model"].get("fingerprint"))]
+
+
+def _read_tensors(folder: Path, layout: Format) -> dict:
+    try:
+        return read_weights(folder / layout.weights_file)
+    except HeadFileError as error:
+        raise ExportValidationError(folder, [str(error)]) from None
+
+
 def _base_problems(manifest: dict, layout: Format, config, tensors: dict, target) -> list[str]:
-    ours, theirs = manifest["base_model"].get("fingerprint") or {}, target.fingerprint()
-    problems = [f"base_model.fingerprint.{key}: export {ours.get(key)!r} vs base {theirs.get(key)!r}"
-                for key in sorted(set(ours) | set(theirs)) if key != "id" and ours.get(key) != theirs.get(key)]
-    if not problems and ours.get("id") != theirs.get("id"):
-        problems.append(f"base_model.fingerprint.id: export {ours.get('id')!r} vs base {theirs.get('id')!r}")
+    problems = [f"base_model.fingerprint.{key}: export {ours!r} vs base {theirs!r}" for key, ours, theirs in
+                fingerprint_differences(manifest["base_model"].get("fingerprint"), target.fingerprint())]
+    problems += [f"head_config.target_fingerprint.{key}: export {ours!r} vs base {theirs!r}" for key, ours, theirs in
+                 fingerprint_differences(getattr(config, "target_fingerprint", None), target.fingerprint())]
     tokenizer_hash = manifest["base_model"].get("tokenizer_hash")
     if tokenizer_hash and getattr(target, "tokenizer", None) is not None and target.tokenizer_hash() != tokenizer_hash:
         problems.append(f"base_model.tokenizer_hash: export {tokenizer_hash!r} vs base {target.tokenizer_hash()!r}")
@@ -109,8 +126,10 @@ def validate_export(folder: str | os.PathLike, target=None) -> dict:
     except json.JSONDecodeError as error:
         raise ExportValidationError(folder, [f"{layout.config_file}: not valid JSON ({error})"]) from None
     problems += layout.check_config(config_json, config, manifest["dtype"])
-    tensors = load_file(str(folder / layout.weights_file))
+    problems += _identity_problems(manifest, config)
+    tensors = _read_tensors(folder, layout)
     problems += shape_problems(tensors, layout.expected_shapes(config), layout.weights_file)
+    problems += [f"{layout.weights_file}: {key!r} holds NaN or infinite values" for key in non_finite_keys(tensors)]
     dtype = _DTYPES[manifest["dtype"]]
     problems += [f"{layout.weights_file}: {key!r} has dtype {str(value.dtype).removeprefix('torch.')}, "
                  f"expected {manifest['dtype']}"
@@ -145,7 +164,7 @@ def load_export(folder: str | os.PathLike, target=None, strict_fingerprint: bool
         layout, config = _layout_and_config(folder, manifest)
         if target is not None:
             check_against_target(config, target, strict_fingerprint)
-        state = layout.to_state(load_file(str(folder / layout.weights_file)), config)
+        state = layout.to_state(_read_tensors(folder, layout), config)
         with torch.device("meta"):
             head = build_head(config)
         head.load_state_dict(state, strict=True, assign=True)

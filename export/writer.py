@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 import os
@@ -19,7 +20,7 @@ from export.formats import ExportError, get_format, resolve_formats, torch_dtype
 from export.manifest import (MANIFEST_NAME, README_NAME, base_model_from_target, build_manifest, model_card,
                              recommended_runtime, sha256_file)
 from export.validate import ExportValidationError, read_manifest, validate_export
-from heads.io import check_against_target, head_type
+from heads.io import check_against_target, fingerprint_differences, head_type, non_finite_keys
 
 log = logging.getLogger(__name__)
 
@@ -104,6 +105,18 @@ def check_destination(out: Path, fmt: str, kind: str, overwrite: bool = False) -
                       "(export.overwrite=true in a job) or choose another out=")
 
 
+def _for_base(config, target):
+    """(config, notes): a head exported for another base model than its own (strict_fingerprint
+    off) carries the base's fingerprint, so the manifest names one model in both places; a note
+    keeps the one it was trained on."""
+    own = getattr(config, "target_fingerprint", None)
+    if not own or not fingerprint_differences(own, target.fingerprint()):
+        return config, []
+    note = (f"trained on {config.target_name or 'another target'} (fingerprint {own.get('id')}), exported for "
+            f"{target.name} (fingerprint {target.fingerprint().get('id')}) with strict_fingerprint=false")
+    return dataclasses.replace(config, target_fingerprint=target.fingerprint(), target_name=target.name), [note]
+
+
 def _place(tmp: Path, out: Path) -> None:
     """Rename the finished temp folder to `out`, replacing an older export there."""
     if not out.exists():
@@ -146,11 +159,20 @@ def export_head(head: nn.Module, config, fmt: str, out_dir: str | os.PathLike, t
     check_against_target(config, target, strict_fingerprint)
     out = Path(out_dir).resolve()
     check_destination(out, layout.name, kind, overwrite)
+    bad = non_finite_keys(head.state_dict())
+    if bad:
+        raise ExportError(f"the head holds NaN or infinite weights in {bad[:8]}; nothing exported to {out}")
     extra = dict(manifest_extra or {})
+    config, relabelled = _for_base(config, target)
+    extra["notes"] = [*relabelled, *(extra.get("notes") or [])]
     base = base_model_from_target(target, extra.get("base_model_id"))
     cast = torch_dtype(dtype)
     tensors, config_json = layout.to_files(head.state_dict(), config, base, dtype)
     tensors = prepare_tensors(tensors, cast)
+    bad = non_finite_keys(tensors)
+    if bad:
+        raise ExportError(f"weights {bad[:8]} do not fit in {dtype} (values beyond its range become infinite); "
+                          f"export in bfloat16 or float32. Nothing exported to {out}")
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     try:

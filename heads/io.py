@@ -104,6 +104,17 @@ def save_head(directory: str | os.PathLike, head: nn.Module, config, extra: dict
     return directory
 
 
+def fingerprint_differences(ours: dict | None, theirs: dict | None) -> list[tuple[str, object, object]]:
+    """(key, ours, theirs) for each fingerprint field that differs; the `id` only when every named
+    field agrees (it is their digest, so it differs whenever one of them does)."""
+    ours, theirs = ours or {}, theirs or {}
+    found = [(key, ours.get(key), theirs.get(key)) for key in sorted(set(ours) | set(theirs))
+             if key != "id" and ours.get(key) != theirs.get(key)]
+    if not found and ours.get("id") != theirs.get("id"):
+        found.append(("id", ours.get("id"), theirs.get("id")))
+    return found
+
+
 def check_against_target(config, target, strict_fingerprint: bool = True) -> None:
     """Raise HeadMismatchError naming every field where `config` disagrees with the target."""
     problems = []
@@ -112,13 +123,8 @@ def check_against_target(config, target, strict_fingerprint: bool = True) -> Non
     if config.vocab_size != target.vocab_size:
         problems.append(f"vocab_size: head {config.vocab_size} vs target {target.vocab_size}")
     if strict_fingerprint:
-        theirs = target.fingerprint()
-        ours = config.target_fingerprint or {}
-        for key in sorted(set(ours) | set(theirs)):
-            if key != "id" and ours.get(key) != theirs.get(key):
-                problems.append(f"target_fingerprint.{key}: head {ours.get(key)!r} vs target {theirs.get(key)!r}")
-        if not problems and ours.get("id") != theirs.get("id"):
-            problems.append(f"target_fingerprint.id: head {ours.get('id')!r} vs target {theirs.get('id')!r}")
+        problems += [f"target_fingerprint.{key}: head {ours!r} vs target {theirs!r}"
+                     for key, ours, theirs in fingerprint_differences(config.target_fingerprint, target.fingerprint())]
     if problems:
         raise HeadMismatchError(
             f"head trained for {config.target_name or '?'} does not match target {target.name}: "
