@@ -1,0 +1,127 @@
+"""The recipe results table, built from each recipe's last run, so no figure is typed by hand.
+
+    python scripts/results_table.py                         # print the table (runs under runs/)
+    python scripts/results_table.py --runs runs other/runs  # run folders under several roots
+    python scripts/results_table.py --write README.md       # rewrite the marked block in place
+
+A run folder is one a job wrote (`trainer.output_dir`): `job_summary.json` (recipe, hardware,
+wall time, training and eval figures), else `result.json` (the training loop's) and
+`eval/report.json` (the eval stage's). A recipe's last run is its folder whose summary was
+written last. `--write FILE` replaces what lies between the lines `<!-- results:begin -->` and
+`<!-- results:end -->` of FILE (each exactly once, in that order) and leaves the rest as it is.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+from pathlib import Path
+
+BEGIN, END = "<!-- results:begin -->", "<!-- results:end -->"
+COLUMNS = ["recipe", "training steps", "held-out top-1 (first step / head)", "held-out τ est.",
+           "best speculative method: τ, vs plain", "job minutes", "hardware", "run folder"]
+
+
+def _read(path: Path) -> dict | None:
+    try:
+        return json.loads(path.read_text()) if path.is_file() else None
+    except json.JSONDecodeError as error:
+        raise SystemExit(f"{path}: not valid JSON ({error})") from None
+
+
+def run_figures(run_dir: Path) -> dict | None:
+    """One run folder's figures, or None when it holds no finished stage."""
+    summary = _read(run_dir / "job_summary.json") or {}
+    result = _read(run_dir / "result.json") or {}
+    report = summary.get("eval") or _read(run_dir / "eval" / "report.json") or {}
+    train = summary.get("train") or result
+    if not train and not report:
+        return None
+    sources = [p for p in (run_dir / "job_summary.json", run_dir / "result.json", run_dir / "eval" / "report.json")
+               if p.is_file()]
+    held_out = train.get("final_eval") or {}
+    top1 = [held_out[k] for k in sorted((k for k in held_out if k.startswith("eval/top1_")),
+                                        key=lambda k: int(re.search(r"(\d+)$", k).group(1)))]
+    methods = [row for row in report.get("drafters", []) if not row.get("sweep")]
+    best = max(methods, key=lambda row: row.get("speedup_vs_plain") or 0.0, default=None)
+    return {
+        "recipe": summary.get("recipe") or train.get("recipe") or run_dir.name,
+        "run": str(run_dir), "written": max(p.stat().st_mtime for p in sources),
+        "steps": train.get("steps"), "stopped": train.get("stopped"),
+        "top1": top1[0] if top1 else None, "tau_estimate": held_out.get("eval/acceptance_length"),
+        "method": best and {"name": best["name"], "tau": best.get("tau"), "vs_plain": best.get("speedup_vs_plain")},
+        "minutes": summary["wall_seconds"] / 60 if "wall_seconds" in summary else None,
+        "hardware": train.get("hardware") or summary.get("hardware"),
+    }
+
+
+def last_runs(roots: list[Path]) -> list[dict]:
+    """Each recipe's last run under `roots` (folders holding a job's files, any depth), by recipe name."""
+    latest: dict[str, dict] = {}
+    for root in roots:
+        folders = {p.parent for name in ("job_summary.json", "result.json") for p in root.rglob(name)}
+        for folder in sorted(folders):
+            figures = run_figures(folder)
+            if figures and (figures["recipe"] not in latest or figures["written"] > latest[figures["recipe"]]["written"]):
+                latest[figures["recipe"]] = figures
+    return [latest[name] for name in sorted(latest)]
+
+
+def _number(value, digits: int = 3) -> str:
+    return "–" if value is None else f"{value:.{digits}f}"
+
+
+def render(rows: list[dict]) -> str:
+    """The markdown table of `rows` (run_figures dicts)."""
+    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + " --- |" * len(COLUMNS)]
+    for row in rows:
+        method = row["method"]
+        shown = "–" if method is None else \
+            f"{method['name']}: {_number(method['tau'], 2)}, {_number(method['vs_plain'], 2)}x"
+        steps = "–" if row["steps"] is None else f"{row['steps']} ({row['stopped']})"
+        lines.append("| " + " | ".join([
+            row["recipe"], steps, _number(row["top1"]), _number(row["tau_estimate"]), shown,
+            _number(row["minutes"], 1), row["hardware"] or "–", f"`{row['run']}`"]) + " |")
+    return "\n".join(lines)
+
+
+def replace_block(text: str, block: str, name: str = "the file") -> str:
+    """`text` with the lines between the BEGIN and END markers replaced by `block`."""
+    lines = text.splitlines(keepends=True)
+    begins = [i for i, line in enumerate(lines) if line.strip() == BEGIN]
+    ends = [i for i, line in enumerate(lines) if line.strip() == END]
+    if len(begins) != 1 or len(ends) != 1 or begins[0] > ends[0]:
+        raise SystemExit(f"{name}: needs one line '{BEGIN}' followed by one line '{END}' "
+                         f"(found {len(begins)} begin line(s) at {[i + 1 for i in begins]}, "
+                         f"{len(ends)} end line(s) at {[i + 1 for i in ends]})")
+    return "".join(lines[: begins[0] + 1]) + block.rstrip("\n") + "\n" + "".join(lines[ends[0]:])
+
+
+def write_block(path: Path, block: str) -> None:
+    """Rewrite the marked block of `path` in place (atomically: a temporary file, then a rename)."""
+    new = replace_block(path.read_text(encoding="utf-8"), block, str(path))
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(new, encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--runs", nargs="+", type=Path, default=[Path("runs")], help="roots holding run folders")
+    parser.add_argument("--write", type=Path, help="markdown file whose marked block is rewritten")
+    args = parser.parse_args()
+    rows = last_runs(args.runs)
+    if not rows:
+        raise SystemExit(f"no run folders (job_summary.json or result.json) under {', '.join(map(str, args.runs))}")
+    table = (f"<!-- generated by `python scripts/results_table.py --write FILE` from each recipe's last run; "
+             f"edits here are overwritten -->\n{render(rows)}")
+    if args.write:
+        write_block(args.write, table)
+        print(f"{args.write}: results block rewritten ({len(rows)} recipes)")
+    else:
+        print(table)
+
+
+if __name__ == "__main__":
+    main()
