@@ -1,3 +1,4 @@
+import json
 import os
 import random
 
@@ -26,3 +27,23 @@ def smollm2():
     from heads.target import TargetConfig, load_target
 
     return load_target(TargetConfig(device="cpu"))
+
+
+@pytest.fixture(scope="session")
+def tiny_chat_model(tmp_path_factory):
+    """A tiny random Llama with SmolLM2's tokenizer and chat template, saved with a 24-record chat JSONL."""
+    from transformers import AutoTokenizer
+
+    from heads.target import TargetConfig, resolve_source
+    from tests.tiny import tiny_model
+
+    folder = tmp_path_factory.mktemp("tiny_chat")
+    tokenizer = AutoTokenizer.from_pretrained(resolve_source(TargetConfig())[0])
+    model = tiny_model(vocab_size=len(tokenizer), tie_word_embeddings=True, eos_token_id=2, pad_token_id=2)
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    rows = [{"id": f"c{i}", "conversations": [
+        {"from": "human", "value": f"Count from {i}."},
+        {"from": "gpt", "value": " ".join(str(j) for j in range(i, i + 12))}]} for i in range(24)]
+    (folder / "data.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    return folder

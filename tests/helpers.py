@@ -1,6 +1,15 @@
 """Helpers that several test modules share (test modules never import each other)."""
 from __future__ import annotations
 
+import json
+import random
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from eval.drafters import Candidates
+
 
 def report_row(name, total_tokens=None, tau=2.0, tps=50.0, identical=True, lossy=False, sweep=False):
     """One drafter row of an eval report, as eval.run assembles it."""
@@ -26,3 +35,126 @@ def report(**overrides):
     }
     values.update(overrides)
     return values
+
+
+class OracleDrafter:
+    """Knows the plain greedy continuation; `right` drafts are correct, then `wrong` wrong ones,
+    optionally with a decoy sibling before every correct node (a tree)."""
+
+    feature_layers = ()
+
+    def __init__(self, reference: list[int], prompt_length: int, right: int, wrong: int, decoys: bool = False,
+                 vocab: int = 128):
+        self.reference, self.prompt_length, self.vocab = reference, prompt_length, vocab
+        self.right, self.wrong, self.decoys = right, wrong, decoys
+        self.accepted_log = []
+
+    def reset(self, prompt):
+        pass
+
+    def propose(self, state):
+        done = state.tokens.shape[0] - self.prompt_length  # tokens generated so far
+        truth = self.reference[done: done + self.right + self.wrong]
+        tokens, parents, previous = [], [], -1
+        for i, token in enumerate(truth):
+            if i >= self.right:
+                token = (token + 1) % self.vocab
+            if self.decoys:
+                tokens.append((token + 7) % self.vocab)
+                parents.append(previous)
+            tokens.append(token)
+            parents.append(previous)
+            previous = len(tokens) - 1
+        return Candidates(torch.tensor(tokens, dtype=torch.long), torch.tensor(parents, dtype=torch.long))
+
+    def accept(self, state, accepted):
+        self.accepted_log.append(len(accepted))
+
+
+def random_parents(n: int, rng: random.Random, max_children: int | None = None) -> list[int]:
+    """A random tree of n nodes as parent indices (node 0 the root), at most max_children per node."""
+    parents, children = [-1], [0]
+    for i in range(1, n):
+        options = [j for j in range(i) if max_children is None or children[j] < max_children]
+        parent = rng.choice(options)
+        parents.append(parent)
+        children[parent] += 1
+        children.append(0)
+    return parents
+
+
+def chi_square_p_value(counts: dict, exact: dict, samples: int) -> float:
+    """P-value of observed counts against exact probabilities (Pearson's chi-square)."""
+    statistic = sum((counts.get(k, 0) - samples * e) ** 2 / (samples * e) for k, e in exact.items())
+    dof = len(exact) - 1
+    return float(torch.special.gammaincc(torch.tensor(dof / 2.0, dtype=torch.float64),
+                                         torch.tensor(statistic / 2.0, dtype=torch.float64)))
+
+
+class ToyTokenizer:
+    """Characters <-> ids 3..122; a chat template that writes 'U:' / 'A:' lines."""
+
+    def apply_chat_template(self, messages, tokenize=False, add_generation_prompt=False):
+        text = "".join(("U:" if m["role"] == "user" else "A:") + m["content"] + "\n" for m in messages)
+        return text + ("A:" if add_generation_prompt else "")
+
+    def __call__(self, text, add_special_tokens=False):
+        return {"input_ids": [3 + ord(c) % 120 for c in text]}
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(chr(97 + i % 26) for i in ids if not (skip_special_tokens and i < 3))
+
+    def get_vocab(self):
+        return {chr(c): 3 + c % 120 for c in range(32, 127)}
+
+
+def tamper_weights(folder, file, change):
+    """Rewrite a weights file and re-seal its hash, so the schema check (not the hash) must catch it."""
+    tensors = load_file(str(folder / file))
+    change(tensors)
+    save_file(tensors, str(folder / file))
+    reseal(folder, file)
+
+
+def tamper_json(folder, file, change):
+    """Rewrite a JSON file of an export and re-seal its hash."""
+    values = json.loads((folder / file).read_text())
+    change(values)
+    (folder / file).write_text(json.dumps(values))
+    reseal(folder, file)
+
+
+def reseal(folder, file):
+    """Record a changed file's sha256 in the export's manifest (a tampering the hash check misses)."""
+    from export.manifest import sha256_file
+
+    manifest = json.loads((folder / "specheads.json").read_text())
+    manifest["files"][file]["sha256"] = sha256_file(folder / file)
+    (folder / "specheads.json").write_text(json.dumps(manifest))
+
+
+def validation_problems(folder, target=None) -> str:
+    """The problems validate_export reports for a folder that must fail, one per line."""
+    from export import ExportValidationError, validate_export
+
+    with pytest.raises(ExportValidationError) as info:
+        validate_export(folder, target)
+    return "\n".join(info.value.problems)
+
+
+ARCH_KEYS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+             "intermediate_size", "vocab_size")
+
+
+def pipeline_job(model_dir, tmp_path, run: str, steps: int, *extra: str, records: str = "null"):
+    """A job on the tiny chat model (the `tiny_chat_model` fixture): its architecture read from the
+    folder, a few training steps."""
+    from train.__main__ import compose_job
+
+    return compose_job([
+        f"model.name_or_path={model_dir}", *(f"model.arch.{key}=null" for key in ARCH_KEYS),
+        f"data.source={model_dir / 'data.jsonl'}", f"data.max_records={records}", "data.eval_fraction=0.25",
+        "data.regenerate.enabled=false",  # the default job's self-distillation: on where a test asks
+        f"data.cache_dir={tmp_path / 'cache'}", f"trainer.output_dir={tmp_path / run}",
+        f"trainer.max_steps={steps}", f"trainer.eval_every={steps}", f"trainer.save_every={steps}",
+        "trainer.eval_batches=1", "trainer.max_minutes=null", "logger=none", *extra])

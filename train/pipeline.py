@@ -187,9 +187,8 @@ def _regenerated_description(job: JobConfig) -> str:
 def _lean_generate_fn(job: JobConfig, target: FrozenTarget):
     """Self-distillation with the project's own fast forward, one prompt at a time (Llama family;
     None for other architectures, which fall back to transformers' generate). Used when
-    data.regenerate.batch_size is 1: batching wins from 8 prompts on (2-core CPU, SmolLM2, greedy:
-    lean one prompt ~19 tokens/s; transformers' generate 15 / 44 / 96 / 114 tokens/s at batch
-    1 / 8 / 32 / 64)."""
+    data.regenerate.batch_size is 1: one prompt at a time the lean forward is faster than
+    transformers' generate, and batched generate overtakes it from a few prompts per batch on."""
     from eval.generate import plain_generate
     from eval.model import LeanLlama
     from eval.sampling import SamplingConfig

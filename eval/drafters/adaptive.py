@@ -49,7 +49,7 @@ class ProbeSchedule:
     machine) can switch it back on: the first after `first` idle steps, then at doubling intervals
     up to every `every`-th step (`first` None: every `every`-th step from the start). `reset` when
     speculation pays again. Backing off matters near break-even: a noisy dip switches the gate off,
-    and at a fixed 16-step cadence each dip cost 16 plain steps however good the drafts were."""
+    and at a fixed cadence each dip would cost `every` plain steps however good the drafts are."""
 
     every: int = 16
     first: int | None = None
@@ -86,9 +86,8 @@ class SpeculationGate:
     `margin` (at break-even plain decoding wins: same speed, less work). While it does not pay,
     it probes after `probe_first` plain steps, then at doubling intervals up to every
     `probe_every`-th step. The state persists across prompts: it describes the drafter, the target
-    and the machine. decay 0.95 (~40 steps of memory): with 0.9 the rolling τ of a head at
-    τ ≈ 1.5 against a cost of 1.25 dipped below break-even often enough that a release-head eval
-    speculated on 48% of steps in one run and 100% in another.
+    and the machine. decay 0.95 (~40 steps of memory): with a shorter memory the rolling τ of a head
+    near break-even dips below it often enough that whether an eval speculates depends on noise.
     """
 
     plain_seconds: float
@@ -144,9 +143,8 @@ class FallbackDrafter:
     since its last one), so a stateful drafter (EAGLE's head KV cache) catches up in one batched
     forward. Steps are timed from `propose` to the end of `accept`, except the first speculative
     step of a sequence (it includes the drafter's own prefill, e.g. EAGLE's head over the prompt)
-    and the first after plain steps (it includes catching up on their features: timing such a
-    probe as a typical step inflated the measured cost and kept speculation off, a release-head
-    run speculated on 20% of steps at τ 1.53 per speculative step against a cost near 1.2)."""
+    and the first after plain steps (it includes catching up on their features: timed as a typical
+    step, such a probe inflates the measured cost and can keep speculation off for good)."""
 
     def __init__(self, drafter: Drafter, gate: SpeculationGate, clock: Callable[[], float] = time.perf_counter):
         self.drafter, self.gate, self.clock = drafter, gate, clock

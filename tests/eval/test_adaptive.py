@@ -11,7 +11,7 @@ from eval.generate import plain_generate, speculative_generate
 from eval.model import LeanLlama
 from eval.sampling import SamplingConfig
 from heads.eagle3 import Eagle3Config, Eagle3Head
-from tests.eval.test_generate import OracleDrafter
+from tests.helpers import OracleDrafter
 from tests.tiny import tiny_eagle_setup, tiny_target
 
 NEW_TOKENS = 24

@@ -12,7 +12,7 @@ import torch
 from eval.attention import mask_to_bits, resolve_backend, tree_attention
 from eval.attention.reference import additive_mask, reference_tree_attention
 from eval.tree import build_tree
-from tests.eval.test_tree import random_parents
+from tests.helpers import random_parents
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -3,12 +3,13 @@ token for token, whatever the drafter proposes (never / always / partly right, c
 import pytest
 import torch
 
-from eval.drafters import Candidates, Drafter
+from eval.drafters import Drafter
 from eval.drafters.draft_model import DynamicGamma, self_speculation_drafter
 from eval.drafters.prompt_lookup import PromptLookupDrafter, lookup
 from eval.generate import plain_generate, speculative_generate
 from eval.model import LeanLlama
 from eval.sampling import SamplingConfig
+from tests.helpers import OracleDrafter
 from tests.tiny import tiny_model
 
 VOCAB, NEW_TOKENS = 128, 24
@@ -23,39 +24,6 @@ def lean():
 def prompts(count: int, length: int = 6):
     generator = torch.Generator().manual_seed(1)
     return [torch.randint(3, VOCAB, (length,), generator=generator) for _ in range(count)]
-
-
-class OracleDrafter:
-    """Knows the plain greedy continuation; `right` drafts are correct, then `wrong` wrong ones,
-    optionally with a decoy sibling before every correct node (a tree)."""
-
-    feature_layers = ()
-
-    def __init__(self, reference: list[int], prompt_length: int, right: int, wrong: int, decoys: bool = False):
-        self.reference, self.prompt_length = reference, prompt_length
-        self.right, self.wrong, self.decoys = right, wrong, decoys
-        self.accepted_log = []
-
-    def reset(self, prompt):
-        pass
-
-    def propose(self, state):
-        done = state.tokens.shape[0] - self.prompt_length  # tokens generated so far
-        truth = self.reference[done: done + self.right + self.wrong]
-        tokens, parents, previous = [], [], -1
-        for i, token in enumerate(truth):
-            if i >= self.right:
-                token = (token + 1) % VOCAB
-            if self.decoys:
-                tokens.append((token + 7) % VOCAB)
-                parents.append(previous)
-            tokens.append(token)
-            parents.append(previous)
-            previous = len(tokens) - 1
-        return Candidates(torch.tensor(tokens, dtype=torch.long), torch.tensor(parents, dtype=torch.long))
-
-    def accept(self, state, accepted):
-        self.accepted_log.append(len(accepted))
 
 
 @pytest.mark.parametrize("right,wrong,decoys", [(0, 3, False), (4, 0, False), (2, 2, False), (3, 1, True), (0, 0, False)])

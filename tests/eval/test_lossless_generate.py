@@ -21,7 +21,7 @@ from eval.generate import speculative_generate
 from eval.model import LeanLlama
 from eval.sampling import SamplingConfig
 from heads.eagle3 import Eagle3Config, Eagle3Head, set_draft_vocab
-from tests.eval.test_verify import chi_square_p_value
+from tests.helpers import chi_square_p_value
 from tests.tiny import tiny_model
 
 VOCAB, LENGTH, SAMPLES = 4, 3, 1500

@@ -9,17 +9,7 @@ import torch.nn.functional as F
 from eval.attention import mask_to_bits
 from eval.attention.reference import reference_tree_attention
 from eval.tree import build_tree, candidate_parents_to_tree, chain_parents
-
-
-def random_parents(n: int, rng: random.Random, max_children: int | None = None) -> list[int]:
-    parents, children = [-1], [0]
-    for i in range(1, n):
-        options = [j for j in range(i) if max_children is None or children[j] < max_children]
-        parent = rng.choice(options)
-        parents.append(parent)
-        children[parent] += 1
-        children.append(0)
-    return parents
+from tests.helpers import random_parents
 
 
 def test_chain_layout():

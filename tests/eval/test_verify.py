@@ -17,6 +17,7 @@ import torch
 from eval.sampling import SamplingConfig, probabilities, sample
 from eval.tree import build_tree
 from eval.verify import children_lists, verify_greedy, verify_sampled, verify_typical, Verdict
+from tests.helpers import chi_square_p_value
 
 VOCAB, LENGTH, SAMPLES, SIGNIFICANCE = 3, 3, 3000, 1e-3
 
@@ -90,13 +91,6 @@ def speculative_sequence(p, q, shape, sampled, verify, generator) -> tuple:
         verdict = verify(tree, tokens, target, rows if sampled else None, generator)
         seq = seq + tuple(tokens[i] for i in verdict.accepted) + (verdict.next_token,)
     return seq[:LENGTH]
-
-
-def chi_square_p_value(counts: dict, exact: dict, samples: int) -> float:
-    statistic = sum((counts.get(k, 0) - samples * e) ** 2 / (samples * e) for k, e in exact.items())
-    dof = len(exact) - 1
-    return float(torch.special.gammaincc(torch.tensor(dof / 2.0, dtype=torch.float64),
-                                         torch.tensor(statistic / 2.0, dtype=torch.float64)))
 
 
 def run_sampler(verify, shape, sampled, draft_vocab=None, seed=0) -> float:

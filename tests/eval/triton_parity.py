@@ -13,7 +13,7 @@ from eval.attention.reference import reference_tree_attention  # noqa: E402
 from eval.attention.triton_kernel import triton_tree_attention  # noqa: E402
 from eval.model import LeanLlama  # noqa: E402
 from eval.tree import build_tree  # noqa: E402
-from tests.eval.test_tree import random_parents  # noqa: E402
+from tests.helpers import random_parents  # noqa: E402
 from tests.tiny import tiny_model  # noqa: E402
 
 # (nodes, prefix, heads, kv_heads, head_dim, max_children): chains, bushy and deep trees, GQA/MHA/MQA,

@@ -11,7 +11,7 @@ import torch
 from export import ExportError, ExportValidationError, export_head, load_export, validate_export
 from heads.io import HeadMismatchError
 from tests.export.conftest import make_eagle, make_target
-from tests.export.test_validate import _problems, _reseal, _tamper_weights
+from tests.helpers import reseal, tamper_weights, validation_problems
 
 
 def test_a_head_with_nan_is_not_exported(tmp_path, target):
@@ -38,8 +38,8 @@ def test_validate_names_non_finite_tensors(tmp_path, target):
 
     def poison(tensors):
         tensors["fc.weight"][0, 0] = float("inf")
-    _tamper_weights(folder, "model.safetensors", poison)
-    assert "model.safetensors: 'fc.weight' holds NaN or infinite values" in _problems(folder)
+    tamper_weights(folder, "model.safetensors", poison)
+    assert "model.safetensors: 'fc.weight' holds NaN or infinite values" in validation_problems(folder)
     with pytest.raises(ExportValidationError):
         load_export(folder, target)
 
@@ -49,8 +49,8 @@ def test_a_damaged_weights_file_is_named(tmp_path, target):
     folder = export_head(head, config, "eagle", tmp_path / "out", target)
     weights = folder / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[:200])
-    _reseal(folder, "model.safetensors")  # the hash cannot help: the manifest was written for it
-    assert "model.safetensors: not a readable safetensors file" in _problems(folder)
+    reseal(folder, "model.safetensors")  # the hash cannot help: the manifest was written for it
+    assert "model.safetensors: not a readable safetensors file" in validation_problems(folder)
 
 
 def _edit_manifest(folder, change):
@@ -69,11 +69,11 @@ def test_the_two_fingerprints_must_agree(tmp_path, target, side):
             manifest["base_model"]["fingerprint"]
         record["lm_head_digest"] = "0123456789abcdef"
     _edit_manifest(folder, edit)
-    problems = _problems(folder)  # without a base: the manifest contradicts itself
+    problems = validation_problems(folder)  # without a base: the manifest contradicts itself
     assert "head_config.target_fingerprint.lm_head_digest" in problems and "differs from base_model" in problems
     with pytest.raises(ExportValidationError, match="lm_head_digest"):
         load_export(folder, target)  # eval's route
-    assert "lm_head_digest: export '0123456789abcdef' vs base" in _problems(folder, target)  # validate base=
+    assert "lm_head_digest: export '0123456789abcdef' vs base" in validation_problems(folder, target)  # validate base=
 
 
 def test_export_for_another_base_names_that_base_in_both_places(tmp_path, target):

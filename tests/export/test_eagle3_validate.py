@@ -7,7 +7,7 @@ import torch
 
 from export import export_head, load_export, validate_export
 from tests.export.conftest import make_eagle3, make_medusa, make_target3
-from tests.export.test_validate import _problems, _tamper_json, _tamper_weights
+from tests.helpers import tamper_json, tamper_weights, validation_problems
 
 
 @pytest.fixture
@@ -28,7 +28,7 @@ def test_good_exports_pass_with_their_base(export3, target3):
 
 
 def test_other_base_is_refused(export3):
-    assert "base_model.fingerprint" in _problems(export3[0], make_target3(seed=1))
+    assert "base_model.fingerprint" in validation_problems(export3[0], make_target3(seed=1))
 
 
 def test_non_ascending_d2t_is_named(export3):
@@ -36,8 +36,8 @@ def test_non_ascending_d2t_is_named(export3):
 
     def change(t):
         t["d2t"][[3, 4]] = t["d2t"][[4, 3]] + torch.tensor([1, -1])  # swaps target ids 3 and 4
-    _tamper_weights(folder, "model.safetensors", change)
-    assert "not strictly ascending" in _problems(folder)
+    tamper_weights(folder, "model.safetensors", change)
+    assert "not strictly ascending" in validation_problems(folder)
 
 
 def test_t2d_that_disagrees_with_d2t_is_named(export3):
@@ -46,20 +46,20 @@ def test_t2d_that_disagrees_with_d2t_is_named(export3):
     def change(t):
         first = int(t["t2d"].nonzero()[0])
         t["t2d"][first] = False
-    _tamper_weights(folder, "model.safetensors", change)
-    assert "t2d marks 39 target ids, not the 40 ids that d2t maps to" in _problems(folder)
+    tamper_weights(folder, "model.safetensors", change)
+    assert "t2d marks 39 target ids, not the 40 ids that d2t maps to" in validation_problems(folder)
 
 
 def test_d2t_outside_the_vocabulary_is_named(export3):
     folder, _ = export3
-    _tamper_weights(folder, "model.safetensors", lambda t: t["d2t"].__setitem__(-1, 10_000))
-    assert "outside the target vocabulary" in _problems(folder)
+    tamper_weights(folder, "model.safetensors", lambda t: t["d2t"].__setitem__(-1, 10_000))
+    assert "outside the target vocabulary" in validation_problems(folder)
 
 
 def test_d2t_of_the_wrong_dtype_is_named(export3):
     folder, _ = export3
-    _tamper_weights(folder, "model.safetensors", lambda t: t.__setitem__("d2t", t["d2t"].int()))
-    assert "int64/bool" in _problems(folder)
+    tamper_weights(folder, "model.safetensors", lambda t: t.__setitem__("d2t", t["d2t"].int()))
+    assert "int64/bool" in validation_problems(folder)
 
 
 def test_layer_named_for_another_loader_is_missing_and_unexpected(export3):
@@ -68,8 +68,8 @@ def test_layer_named_for_another_loader_is_missing_and_unexpected(export3):
 
     def change(t):
         t[theirs + "hidden_norm.weight"] = t.pop(ours + "hidden_norm.weight")
-    _tamper_weights(folder, "model.safetensors", change)
-    problems = _problems(folder)
+    tamper_weights(folder, "model.safetensors", change)
+    problems = validation_problems(folder)
     assert f"missing key '{ours}hidden_norm.weight'" in problems
     assert f"unexpected key '{theirs}hidden_norm.weight'" in problems
 
@@ -97,8 +97,8 @@ def test_layer_named_for_another_loader_is_missing_and_unexpected(export3):
 def test_config_field_mismatch_is_named(tmp_path, target3, fmt, change, named):
     head, config = make_eagle3(target3)
     folder = export_head(head, config, fmt, tmp_path / fmt, target3)
-    _tamper_json(folder, "config.json", change)
-    assert named in _problems(folder)
+    tamper_json(folder, "config.json", change)
+    assert named in validation_problems(folder)
 
 
 def test_medusa_vllm_good_and_broken(tmp_path):
@@ -109,15 +109,15 @@ def test_medusa_vllm_good_and_broken(tmp_path):
 
     def change(t):
         t["lm_heads.1.weight"] = torch.zeros_like(t["lm_heads.1.weight"])
-    _tamper_weights(folder, "model.safetensors", change)
-    assert "'lm_heads.1.weight' differs from the base model's lm_head" in _problems(folder, target)
-    _tamper_json(folder, "config.json", lambda c: c.update(num_attention_heads=8, medusa_num_heads=3))
-    problems = _problems(folder)
+    tamper_weights(folder, "model.safetensors", change)
+    assert "'lm_heads.1.weight' differs from the base model's lm_head" in validation_problems(folder, target)
+    tamper_json(folder, "config.json", lambda c: c.update(num_attention_heads=8, medusa_num_heads=3))
+    problems = validation_problems(folder)
     assert "keys ['medusa_num_heads', 'num_attention_heads'] would overwrite num_heads" in problems
 
 
 def test_load_export_refuses_a_broken_eagle3_folder(export3):
     folder, _ = export3
-    _tamper_weights(folder, "model.safetensors", lambda t: t["t2d"].fill_(True))
+    tamper_weights(folder, "model.safetensors", lambda t: t["t2d"].fill_(True))
     with pytest.raises(ValueError, match="t2d marks"):
         load_export(folder)

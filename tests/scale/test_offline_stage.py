@@ -3,7 +3,7 @@ import json
 
 import torch
 
-from tests.scale.test_regenerate import ToyTokenizer
+from tests.helpers import ToyTokenizer
 from tests.tiny import tiny_target
 from tests.train.loop_fixtures import tiny_data, tiny_job
 from train.objectives import OnlineFeatures

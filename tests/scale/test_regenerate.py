@@ -6,24 +6,8 @@ import pytest
 from data.config import RegenerateConfig
 from data.records import SkipCounter, normalise
 from data.regenerate import hf_generate_fn, merge_shards, regenerate, shard_name
+from tests.helpers import ToyTokenizer
 from tests.tiny import tiny_model
-
-
-class ToyTokenizer:
-    """Characters <-> ids 3..122; a chat template that writes 'U:' / 'A:' lines."""
-
-    def apply_chat_template(self, messages, tokenize=False, add_generation_prompt=False):
-        text = "".join(("U:" if m["role"] == "user" else "A:") + m["content"] + "\n" for m in messages)
-        return text + ("A:" if add_generation_prompt else "")
-
-    def __call__(self, text, add_special_tokens=False):
-        return {"input_ids": [3 + ord(c) % 120 for c in text]}
-
-    def decode(self, ids, skip_special_tokens=True):
-        return "".join(chr(97 + i % 26) for i in ids if not (skip_special_tokens and i < 3))
-
-    def get_vocab(self):
-        return {chr(c): 3 + c % 120 for c in range(32, 127)}
 
 
 def _records(n):

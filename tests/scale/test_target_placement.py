@@ -12,7 +12,7 @@ from heads.target import TargetConfig, load_target
 from heads.target_parts import load_target_parts
 from tests.tiny import tiny_model
 from tests.train.loop_fixtures import tiny_data, tiny_job
-from tests.train.test_pipeline import tiny_chat_model  # noqa: F401 - a fixture
+from tests.helpers import pipeline_job
 from train.__main__ import compose_job
 from train.offline import offline_source, parts_only_layers
 from train.pipeline import load_job_target
@@ -144,7 +144,6 @@ def test_a_job_extracts_features_then_trains_from_target_parts(tmp_path, monkeyp
     """stages=[data,features] with the whole target, then stages=[train] builds no decoder layer."""
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
-    from tests.train.test_pipeline import tiny_job as pipeline_job
     from train.pipeline import run_job
 
     common = ("heads=medusa", "data.mode=offline", "data.feature_cache_dtype=float32")
