@@ -10,7 +10,9 @@ Layout of a cache folder:
     index.json                  spec + per shard: file, record ids, tokens (written last)
 
 Each shard is written to a temporary name and renamed, so a shard file exists only when complete:
-an interrupted run resumes at the first missing shard. Rank r of W writes shards r, r+W, ...
+an interrupted run resumes at the first missing shard. A shard whose size disagrees with its own
+safetensors header (truncated or damaged later) is not counted as done: it is written again, with
+a WARNING naming it; index.json records each shard's size, checked when the cache is opened. Rank r of W writes shards r, r+W, ...
 (disjoint), and any rank's `write_index` after all of them finish (the caller's barrier) lists them.
 Layer numbers follow `TargetFeatures`: 0 = embeddings, i = output of decoder layer i-1, -1 = the
 final post-norm state.
@@ -91,6 +93,35 @@ def _atomic_json(path: Path, value: dict) -> None:
     os.replace(tmp, path)
 
 
+def shard_problem(path: Path) -> str | None:
+    """Why a shard file is not whole (naming it), or None: its size must be what its safetensors
+    header describes (8-byte length, JSON header, data). Reads the header only."""
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as handle:
+            length = int.from_bytes(handle.read(8), "little")
+            if size < 8 or 8 + length > size:
+                return f"{path}: {size} bytes, shorter than its own header (truncated)"
+            header = json.loads(handle.read(length))
+        end = max((entry["data_offsets"][1] for key, entry in header.items() if key != "__metadata__"), default=0)
+    except OSError as error:
+        return f"{path}: cannot be read ({error})"
+    except (ValueError, TypeError, KeyError, AttributeError):
+        return f"{path}: its safetensors header is damaged"
+    if size != 8 + length + end:
+        return f"{path}: {size} bytes, its header describes {8 + length + end} (truncated or damaged)"
+    return None
+
+
+def _shard_done(path: Path) -> bool:
+    if not path.is_file():
+        return False
+    problem = shard_problem(path)
+    if problem:
+        log.warning("feature cache: %s; writing the shard again", problem)
+    return problem is None
+
+
 def _check_spec(directory: Path, spec: CacheSpec) -> None:
     path = directory / "spec.json"
     if path.is_file():
@@ -159,7 +190,7 @@ def write_feature_cache(directory: str | os.PathLike, target: FeatureTarget, row
     if rank == 0:
         _check_spec(directory, spec)
     shards = range(rank, -(-len(rows) // shard_records), world_size)
-    missing = [s for s in shards if not (directory / shard_name(s)).is_file()]
+    missing = [s for s in shards if not _shard_done(directory / shard_name(s))]
     tokens = lambda s: sum(len(r["input_ids"]) for r in rows[s * shard_records:(s + 1) * shard_records])  # noqa: E731
     total = estimate_cache_bytes(sum(len(r["input_ids"]) for r in rows), hidden_size, len(layers), dtype, top_k)
     needed = estimate_cache_bytes(sum(tokens(s) for s in missing), hidden_size, len(layers), dtype, top_k)
@@ -195,6 +226,10 @@ def write_index(directory: str | os.PathLike) -> Path:
     missing = [shard_name(s) for s in range(count) if not (directory / shard_name(s)).is_file()]
     if missing:
         raise FileNotFoundError(f"{directory}: shards not written yet: {missing[:5]}{'...' if len(missing) > 5 else ''}")
+    damaged = [problem for problem in (shard_problem(directory / shard_name(s)) for s in range(count)) if problem]
+    if damaged:
+        raise ValueError(f"{directory}: damaged shards ({'; '.join(damaged[:3])}); run the data stage again, it "
+                         "writes them again")
     shards = []
     for s in range(count):
         with safe_open(str(directory / shard_name(s)), framework="pt") as handle:
@@ -202,7 +237,8 @@ def write_index(directory: str | os.PathLike) -> Path:
             offsets = handle.get_slice("offsets")
             end = offsets.get_shape()[0]
             tokens = int(offsets[end - 1:end][0])
-        shards.append({"file": shard_name(s), "ids": ids, "tokens": tokens})
+        shards.append({"file": shard_name(s), "ids": ids, "tokens": tokens,
+                       "bytes": (directory / shard_name(s)).stat().st_size})
     index = {**spec, "num_tokens": sum(s["tokens"] for s in shards), "shards": shards}
     _atomic_json(directory / "index.json", index)
     return directory / "index.json"
@@ -222,6 +258,12 @@ class FeatureCache(torch.utils.data.Dataset):
                                     "(run the data stage again; it resumes at the first missing shard)")
         self.directory = directory
         self.index = json.loads(index_path.read_text())
+        for shard in self.index["shards"]:  # a cheap stat: a shard cut after the index was written
+            path = directory / shard["file"]
+            size = path.stat().st_size if path.is_file() else None
+            if "bytes" in shard and size != shard["bytes"]:
+                raise ValueError(f"{path}: {size if size is not None else 'missing'}, index.json recorded "
+                                 f"{shard['bytes']} bytes; run the data stage again (it rewrites damaged shards)")
         self.layers: list[int] = self.index["layers"]
         self.dtype = _DTYPES[self.index["dtype"]]
         self._where: list[tuple[int, int]] = []
@@ -239,10 +281,15 @@ class FeatureCache(torch.utils.data.Dataset):
         return list(self._ids)
 
     def _handle(self, s: int):
-        from safetensors import safe_open
+        from safetensors import SafetensorError, safe_open
 
         if s not in self._handles:
-            self._handles[s] = safe_open(str(self.directory / self.index["shards"][s]["file"]), framework="pt")
+            path = self.directory / self.index["shards"][s]["file"]
+            try:
+                self._handles[s] = safe_open(str(path), framework="pt")
+            except (SafetensorError, OSError) as error:
+                raise ValueError(f"{path}: not a readable feature shard ({error}); run the data stage again "
+                                 "(it rewrites damaged shards)") from None
         return self._handles[s]
 
     def __getitem__(self, n: int) -> dict:

@@ -69,6 +69,27 @@ def test_progress_counts_records_per_batch(tmp_path, monkeypatch):
     assert bar.total == 10 and bar.updates == [3, 1, 3, 1, 2]  # shards of 4, 4, 2 records in batches of 3
 
 
+def test_a_truncated_shard_is_not_counted_as_done(tmp_path, caplog):
+    import logging
+
+    target, rows = tiny_target(), _rows(6)
+    kwargs = dict(dtype="float32", shard_records=2, progress=False)
+    write_feature_cache(tmp_path, target, rows, **kwargs)
+    shard = tmp_path / shard_name(1)
+    whole = shard.read_bytes()
+    shard.write_bytes(whole[: len(whole) - 100])  # a copy or a disk that lost the tail
+    with pytest.raises(ValueError, match=rf"{shard_name(1)}: \d+ bytes, its header describes \d+"):
+        write_index(tmp_path)
+    with caplog.at_level(logging.WARNING):
+        again = write_feature_cache(tmp_path, target, rows, **kwargs)
+    assert again["written"] == [1] and f"{shard}: " in caplog.text
+    assert shard.read_bytes() == whole
+    write_index(tmp_path)
+    shard.write_bytes(whole[:5])  # cut after the index was written
+    with pytest.raises(ValueError, match=rf"{shard_name(1)}: 5, index.json recorded {len(whole)} bytes"):
+        FeatureCache(tmp_path)
+
+
 def test_bf16_cache_is_half_the_size(tmp_path):
     target, rows = tiny_target(), _rows(6)
     for dtype in ("bfloat16", "float32"):
