@@ -64,7 +64,8 @@ def field_problems(values: dict, expected: dict, file: str) -> list[str]:
         node = values
         for part in path.split("."):
             node = node.get(part, "<missing>") if isinstance(node, dict) else "<missing>"
-        if node != want or type(node) is not type(want) and not (isinstance(want, float) and isinstance(node, int)):
+        same_type = type(node) is type(want) or (type(want) is float and type(node) is int)  # bool is not int here
+        if node != want or not same_type:
             problems.append(f"{file}.{path}: {node!r}, expected {want!r}")
     return problems
 

@@ -76,7 +76,7 @@ class SpeculatorsFormat:
             "norm_output": False,
             "embed_requires_grad": False,
             "tie_word_embeddings": False,
-            "torch_dtype": dtype,
+            "dtype": dtype,  # transformers 5 spelling, as speculators writes it
             "transformer_layer_config": self.layer_config(config, base, dtype),
             "speculators_config": {
                 "algorithm": "eagle3",
@@ -105,7 +105,7 @@ class SpeculatorsFormat:
             "draft_vocab_size": config.draft_vocab_size, "target_hidden_size": config.target_hidden_size,
             "eagle_aux_hidden_state_layer_ids": list(config.aux_layer_ids),
             "norm_before_residual": config.norm_before_residual, "norm_before_fc": False, "fc_norm": False,
-            "norm_output": False, "tie_word_embeddings": False, "torch_dtype": dtype,
+            "norm_output": False, "tie_word_embeddings": False, "dtype": dtype, f"{layer}.dtype": dtype,
             f"{layer}.model_type": "llama", f"{layer}.hidden_size": config.hidden_size,
             f"{layer}.intermediate_size": config.intermediate_size,
             f"{layer}.num_attention_heads": config.num_attention_heads,

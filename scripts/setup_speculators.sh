@@ -19,8 +19,10 @@ TORCH=${SPECULATORS_TORCH:-torch==2.13.0}  # on these machines pip's constraints
 PIP="$VENV/bin/python -m pip --quiet --disable-pip-version-check"
 $PIP install "$TORCH" 2>&1 | grep -v "is ignored" || true
 $PIP install --no-deps "speculators==0.9.0" 2>&1 | grep -v "is ignored" || true
-$PIP install "hs-connectors" "transformers<=5.19" "datasets<=5.1" loguru pydantic-settings openai httpx \
-  safetensors 2>&1 | grep -v "is ignored" || true
+# Pinned to the set the comparison was last run with (speculators 0.9.0 allows transformers<=5.19,
+# datasets<=5.1); pip resolves their own dependencies.
+$PIP install "hs-connectors==0.9.0" "transformers==5.19.0" "datasets==5.1.0" "loguru==0.7.3" \
+  "pydantic-settings==2.16.3" "openai==3.57.0" "httpx==0.28.1" "safetensors==0.8.0" 2>&1 | grep -v "is ignored" || true
 "$VENV/bin/python" -W ignore -c "
 from importlib.metadata import version
 from speculators import SpeculatorModel

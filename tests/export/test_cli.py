@@ -7,12 +7,13 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from export import ExportError, validate_export
 from export.__main__ import CONF_DIR, cli, run_export, run_validate, to_export_config
 from export.config import ExportConfig
 from heads.io import save_head
-from tests.export.conftest import SIZES, make_eagle
+from tests.export.conftest import SIZES, make_eagle, make_eagle3
 from tests.tiny import tiny_model
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -139,3 +140,24 @@ def test_cli_refuses_to_replace_a_user_folder(saved, capsys, monkeypatch):
         assert cli([f"ckpt={saved['ckpt']}", "format=eagle", f"out={mine}", f"base={saved['base']}", *extra]) == 2
         assert "is not a specheads export" in capsys.readouterr().err
     assert [p.name for p in mine.iterdir()] == ["thesis.tex"]
+
+
+def test_cli_exports_an_eagle3_checkpoint_in_every_layout(saved, capsys, monkeypatch):
+    from export import load_export
+
+    monkeypatch.setattr(sys, "argv", ["export"])
+    head, config = make_eagle3(saved["target"], aux_layer_ids=[1, 1, 1])  # the tiny base has two layers
+    ckpt = saved["root"] / "eagle3-ckpt"
+    save_head(ckpt, head, config, extra={"runtime": {"top_k": 3, "depth": 2, "total_tokens": 7, "chain_depth": 2}})
+    out = saved["root"] / "eagle3-speculators"
+    assert cli([f"ckpt={ckpt}", "format=speculators", f"out={out}", f"base={saved['base']}"]) == 0
+    assert capsys.readouterr().out.strip() == f"speculators: {out}"
+    spec = json.loads((out / "config.json").read_text())["speculators_config"]
+    assert spec["proposal_methods"][0]["speculative_tokens"] == 2  # the measured chain depth
+    assert cli(["validate", str(out), f"base={saved['base']}"]) == 0
+    paths = run_export(ExportConfig(ckpt=str(out), out=str(saved["root"] / "eagle3-all"), base=saved["base"]))
+    assert set(paths) == {"native", "eagle3", "eagle3_vllm", "speculators"}
+    for fmt, folder in paths.items():
+        loaded, loaded_config, _ = load_export(folder, saved["target"])
+        assert loaded_config == config, fmt
+        assert torch.equal(loaded.d2t, head.d2t) and torch.equal(loaded.t2d, head.t2d)

@@ -150,6 +150,7 @@ def test_speculators_config_fields(tmp_path, target3):
     assert (cfg["draft_vocab_size"], cfg["target_hidden_size"]) == (VD, H)
     assert cfg["eagle_aux_hidden_state_layer_ids"] == [2, 3, 4]
     assert cfg["norm_before_residual"] is False and cfg["tie_word_embeddings"] is False
+    assert cfg["dtype"] == cfg["transformer_layer_config"]["dtype"] == "bfloat16"
     assert (cfg["norm_before_fc"], cfg["fc_norm"], cfg["norm_output"]) == (False, False, False)
     layer = cfg["transformer_layer_config"]
     assert layer["model_type"] == "llama" and layer["head_dim"] == hd and layer["num_hidden_layers"] == 1
