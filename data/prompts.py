@@ -8,7 +8,7 @@ from pathlib import Path
 
 from data.config import DataConfig
 from data.records import ROLES
-from data.sources import load_conversations
+from data.sources import NOT_UTF8, load_conversations, read_text
 from data.split import split_indices
 from data.template import prompt_ids
 
@@ -47,31 +47,41 @@ def load_prompt_file(path: str | Path, tokenizer, max_prompt_tokens: int | None 
     """Prompts from a JSONL file of `{"prompt": str}` or `{"messages": [{"role", "content"}]}`
     (optional "id", "reference"). A trailing assistant message becomes the reference. Malformed
     lines and over-long prompts are errors naming the line."""
+    if not Path(path).is_file():
+        raise FileNotFoundError(f"prompts file {path}: " + ("a folder, not a JSONL file" if Path(path).is_dir()
+                                                          else "no such file"))
+    text, bom, clean = read_text(path)  # a UTF-8 byte-order mark is accepted
+    bad = None if clean else NOT_UTF8.search(text)
+    if bad is not None:
+        line = text.count("\n", 0, bad.start()) + 1
+        raise ValueError(f"{path} line {line}: bytes that are not UTF-8 at byte "
+                         f"{bom + len(text[:bad.start()].encode('utf-8', 'surrogateescape'))}")
     prompts = []
-    with open(path, encoding="utf-8") as handle:
-        for line_number, line in enumerate(handle, 1):
-            if not line.strip():
-                continue
-            where = f"{path} line {line_number}"
-            try:
-                item = json.loads(line)
-            except json.JSONDecodeError as error:
-                raise ValueError(f"{where}: invalid JSON ({error.msg})") from None
-            reference = item.get("reference") if isinstance(item, dict) else None
-            if isinstance(item, dict) and isinstance(item.get("prompt"), str):
-                messages = [{"role": "user", "content": item["prompt"]}]
-            elif isinstance(item, dict) and isinstance(item.get("messages"), list) and item["messages"]:
-                messages = [_message(m, where) for m in item["messages"]]
-                if messages[-1]["role"] == "assistant":
-                    reference = messages.pop()["content"]
-                if not messages:
-                    raise ValueError(f"{where}: no messages before the assistant reply")
-            else:
-                raise ValueError(f"{where}: expected {{'prompt': str}} or {{'messages': [...]}}")
-            prompt = _prompt(str(item.get("id", f"line{line_number}")), messages, reference, tokenizer)
-            if max_prompt_tokens is not None and len(prompt["prompt_ids"]) > max_prompt_tokens:
-                raise ValueError(f"{where}: prompt has {len(prompt['prompt_ids'])} tokens > {max_prompt_tokens}")
-            prompts.append(prompt)
+    for line_number, line in enumerate(text.split("\n"), 1):
+        if not line.strip():
+            continue
+        where = f"{path} line {line_number}"
+        try:
+            item = json.loads(line)
+        except json.JSONDecodeError as error:
+            raise ValueError(f"{where}: invalid JSON ({error.msg})") from None
+        reference = item.get("reference") if isinstance(item, dict) else None
+        if isinstance(item, dict) and isinstance(item.get("prompt"), str):
+            messages = [{"role": "user", "content": item["prompt"]}]
+        elif isinstance(item, dict) and isinstance(item.get("messages"), list) and item["messages"]:
+            messages = [_message(m, where) for m in item["messages"]]
+            if messages[-1]["role"] == "assistant":
+                reference = messages.pop()["content"]
+            if not messages:
+                raise ValueError(f"{where}: no messages before the assistant reply")
+        else:
+            raise ValueError(f"{where}: expected {{'prompt': str}} or {{'messages': [...]}}")
+        prompt = _prompt(str(item.get("id", f"line{line_number}")), messages, reference, tokenizer)
+        if max_prompt_tokens is not None and len(prompt["prompt_ids"]) > max_prompt_tokens:
+            raise ValueError(f"{where}: prompt has {len(prompt['prompt_ids'])} tokens > {max_prompt_tokens}")
+        prompts.append(prompt)
+    if not prompts:
+        raise ValueError(f"prompts file {path}: no prompts in it")
     return prompts
 
 

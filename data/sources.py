@@ -8,6 +8,7 @@ says where the file breaks (strict) or dropped with a log line saying what was k
 """
 from __future__ import annotations
 
+import codecs
 import hashlib
 import importlib.util
 import json
@@ -21,7 +22,7 @@ from typing import Any, Iterator
 
 from data.config import EMBEDDED_SHAREGPT, DataConfig
 from data.records import SkipCounter, normalise
-from heads.target import default_cache_dir
+from heads.target import default_cache_dir, local_or_hub
 
 log = logging.getLogger(__name__)
 
@@ -63,35 +64,58 @@ def resolve_source(config: DataConfig) -> tuple[str, str]:
         if not path.exists():
             raise FileNotFoundError(f"data.source: {path} does not exist (data.format={config.format})")
         return config.format, str(path)
-    if path.is_dir():
-        return "disk", str(path)
-    if path.is_file():
-        if path.suffix == ".jsonl":
-            return "jsonl", str(path)
-        with open(path, "rb") as handle:
-            head = handle.read(4096).lstrip()
-        return ("json" if head.startswith(b"[") else "jsonl"), str(path)
-    if path.suffix in (".json", ".jsonl") or config.source.startswith(("/", ".", "~")):
-        raise FileNotFoundError(f"data.source: {path} does not exist")
-    return "hub", config.source
+    found = local_or_hub(config.source, "data.source")
+    if isinstance(found, str):
+        return "hub", found
+    if found.is_dir():
+        return "disk", str(found)
+    if not found.is_file():
+        raise ValueError(f"data.source: {found} is neither a file nor a folder")
+    # By content, not by name: a `.jsonl` file may hold one JSON array (and a `.json` file JSON lines).
+    with open(found, "rb") as handle:
+        head = handle.read(4096).removeprefix(codecs.BOM_UTF8).lstrip()
+    return ("json" if head.startswith(b"[") else "jsonl"), str(found)
 
 
-def _break_message(path: str, text: str, index: int, start: int, error: json.JSONDecodeError) -> str:
-    byte = len(text[: error.pos].encode("utf-8"))
-    start_byte = len(text[:start].encode("utf-8"))
+def _byte(text: str, position: int, bom: int = 0) -> int:
+    """Byte offset in the file of character `position` of its decoded text (bytes that are not
+    UTF-8 were decoded as surrogate escapes, one character each)."""
+    return bom + len(text[:position].encode("utf-8", "surrogateescape"))
+
+
+def read_text(path: str | os.PathLike) -> tuple[str, int, bool]:
+    """(text, BOM length, whether every byte is UTF-8): a UTF-8 byte-order mark is accepted and
+    skipped; bytes that are not UTF-8 become surrogate escapes (`NOT_UTF8` finds them)."""
+    raw = Path(path).read_bytes()
+    bom = len(codecs.BOM_UTF8) if raw.startswith(codecs.BOM_UTF8) else 0
+    try:
+        return raw[bom:].decode("utf-8"), bom, True
+    except UnicodeDecodeError:
+        return raw[bom:].decode("utf-8", "surrogateescape"), bom, False
+
+
+NOT_UTF8 = re.compile("[\udc80-\udcff]")
+
+
+def _break_message(path: str, text: str, index: int, start: int, error: json.JSONDecodeError, bom: int = 0) -> str:
+    byte = _byte(text, error.pos, bom)
+    start_byte = _byte(text, start, bom)
     return (f"{path}: the JSON array breaks at byte {byte} (line {error.lineno}, column {error.colno}) "
             f"inside record {index} (0-based), which starts at byte {start_byte}: {error.msg}")
 
 
-def parse_json_array(path: str, salvage: bool) -> tuple[list[Any], dict]:
+def parse_json_array(path: str, salvage: bool, counter: SkipCounter | None = None) -> tuple[list[Any], dict]:
     """Parse a JSON array record by record. Returns (records, info); info says whether the file was
     truncated and where. A truncated tail raises TruncatedJSONError unless `salvage`; a syntax
-    error that is not a truncation always raises."""
-    text = Path(path).read_bytes().decode("utf-8")
+    error that is not a truncation always raises. A record holding bytes that are not UTF-8 is
+    counted by `counter` as `not_utf8` (which raises unless it skips bad records; without a
+    counter it raises), naming the file and the byte offset."""
+    text, bom, clean = read_text(path)
     decoder = json.JSONDecoder()
     position = _WHITESPACE.match(text, 0).end()
     if not text.startswith("[", position):
-        raise ValueError(f"{path}: expected a JSON array ('[' at byte {position}); use data.format=jsonl for JSON lines")
+        raise ValueError(f"{path}: expected a JSON array ('[' at byte {_byte(text, position, bom)}); "
+                         "use data.format=jsonl for JSON lines")
     position += 1
     records: list[Any] = []
     info = {"truncated": False}
@@ -107,11 +131,18 @@ def parse_json_array(path: str, salvage: bool) -> tuple[list[Any], dict]:
             record, position = decoder.raw_decode(text, position)
         except json.JSONDecodeError as error:
             at_end = error.pos >= len(text.rstrip()) or error.msg.startswith("Unterminated string")
-            message = _break_message(path, text, len(records), start, error)
+            message = _break_message(path, text, len(records), start, error, bom)
             if not at_end:
                 raise ValueError(message) from None
             break
-        records.append(record)
+        bad = None if clean else NOT_UTF8.search(text, start, position)
+        if bad is None:
+            records.append(record)
+        else:
+            detail = f"{path}: bytes that are not UTF-8 at byte {_byte(text, bad.start(), bom)}"
+            if counter is None:
+                raise ValueError(detail)
+            counter.bad("not_utf8", len(records), record.get("id") if isinstance(record, dict) else None, detail)
         position = _WHITESPACE.match(text, position).end()
         if position < len(text) and text[position] == ",":
             position += 1
@@ -119,9 +150,9 @@ def parse_json_array(path: str, salvage: bool) -> tuple[list[Any], dict]:
             return records, info
         elif position < len(text):
             raise ValueError(f"{path}: expected ',' or ']' after record {len(records) - 1} at character {position}")
-    kept_bytes = len(text[:start].encode("utf-8")) if records else 0
+    kept_bytes = _byte(text, start, bom) if records else 0
     info = {"truncated": True, "break": message, "complete_records": len(records),
-            "dropped_tail_bytes": len(text.encode("utf-8")) - kept_bytes}
+            "dropped_tail_bytes": _byte(text, len(text), bom) - kept_bytes}
     if not salvage:
         raise TruncatedJSONError(
             f"{message}. The file is truncated; set data.salvage_truncated=true to keep the "
@@ -132,14 +163,25 @@ def parse_json_array(path: str, salvage: bool) -> tuple[list[Any], dict]:
 
 
 def _iter_jsonl(path: str, counter: SkipCounter) -> Iterator[tuple[int, Any]]:
-    with open(path, encoding="utf-8") as handle:
-        for line_number, line in enumerate(handle, 1):
+    offset = 0
+    with open(path, "rb") as handle:
+        for line_number, raw in enumerate(handle, 1):
+            start, offset = offset, offset + len(raw)
+            if line_number == 1 and raw.startswith(codecs.BOM_UTF8):
+                raw, start = raw[len(codecs.BOM_UTF8):], start + len(codecs.BOM_UTF8)
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as error:
+                counter.bad("not_utf8", line_number, None,
+                            f"{path} line {line_number}: bytes that are not UTF-8 at byte {start + error.start}")
+                continue
             if not line.strip():
                 continue
             try:
                 yield line_number, json.loads(line)
             except json.JSONDecodeError as error:
-                counter.bad("invalid_json", line_number, None, f"{path} line {line_number}: {error.msg}")
+                counter.bad("invalid_json", line_number, None,
+                            f"{path} line {line_number}, column {error.colno}: {error.msg}")
 
 
 def _iter_datasets(fmt: str, location: str, split: str) -> Iterator[tuple[int, Any]]:
@@ -149,7 +191,7 @@ def _iter_datasets(fmt: str, location: str, split: str) -> Iterator[tuple[int, A
         loaded = datasets.load_from_disk(location)
         if isinstance(loaded, datasets.DatasetDict):
             if split not in loaded:
-                raise KeyError(f"data.hub_split={split!r} not in saved dataset {location} (splits: {list(loaded)})")
+                raise ValueError(f"data.hub_split={split!r} not in saved dataset {location} (splits: {list(loaded)})")
             loaded = loaded[split]
     else:
         loaded = datasets.load_dataset(location, split=split)
@@ -187,7 +229,7 @@ def load_conversations(config: DataConfig):
     counter = SkipCounter(config.skip_bad_records)
     info: dict = {"truncated": False}
     if fmt == "json":
-        raw, info = parse_json_array(location, config.salvage_truncated)
+        raw, info = parse_json_array(location, config.salvage_truncated, counter)
         rows: Iterator[tuple[int, Any]] = enumerate(raw)
     elif fmt == "jsonl":
         rows = _iter_jsonl(location, counter)
@@ -196,6 +238,9 @@ def load_conversations(config: DataConfig):
     records = [r for r in (normalise(row, index, counter) for index, row in rows) if r is not None]
     stats = {"source": config.source, "format": fmt, "location": location, **info, **counter.as_dict()}
     _log_load(stats)
+    if not records:
+        raise ValueError(f"data.source: no usable records in {location} (kept 0; skipped: "
+                         f"{stats['skipped'] or 'nothing, the source is empty'}){_shape_hint(fmt, location)}")
     features = datasets.Features({"id": datasets.Value("string"), "messages": datasets.List(
         {"role": datasets.Value("string"), "content": datasets.Value("string")})})
     dataset = datasets.Dataset.from_list(records, features=features)
@@ -216,8 +261,25 @@ def load_conversations(config: DataConfig):
     return datasets.load_from_disk(str(folder)), stats
 
 
+def _shape_hint(fmt: str, location: str) -> str:
+    """For a file that is one JSON object (e.g. {"data": [...]}): say so."""
+    if fmt != "jsonl":
+        return ""
+    try:
+        whole = json.loads(read_text(location)[0])
+    except (OSError, ValueError):
+        return ""
+    if not isinstance(whole, dict):
+        return ""
+    return (f". The file is one JSON object with keys {sorted(whole)[:5]}; records must be a JSON array of "
+            "conversations or one conversation per line (JSONL)")
+
+
 def _log_load(stats: dict) -> None:
     if stats.get("truncated"):
         log.info("salvaged %d complete records from a truncated file (%s)", stats["complete_records"], stats["break"])
     log.info("records kept %d, skipped %s, leading assistant turns dropped %d",
              stats["kept"], stats["skipped"] or "none", stats["leading_assistant_turns_dropped"])
+    if stats.get("skipped_total", 0) > stats["kept"]:
+        log.warning("data: more than half of the records of %s were skipped (%d skipped, %d kept: %s); check "
+                    "data.source", stats.get("location"), stats["skipped_total"], stats["kept"], stats["skipped"])

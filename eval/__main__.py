@@ -32,9 +32,10 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from hydra.errors import HydraException
 from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
 from data.config import DataConfig
-from eval.config import RuntimeConfig
+from eval.config import RuntimeConfig, check_runtime, wandb_mode
 from heads.cli import exit_status, hydra_argv, sweep_output
 from heads.target import TargetConfig
 
@@ -115,12 +116,25 @@ def load_eval_head(head: str, target, strict_fingerprint: bool = True):
     return loaded.to(target.model.device).eval(), config
 
 
+def check_eval_config(cfg: EvalEntryConfig) -> None:
+    """The checks `python -m train` runs on the same settings, before any model loads."""
+    check_runtime(cfg.runtime)
+    dtypes = ("auto", "float32", "fp32", "bfloat16", "bf16", "float16", "fp16")
+    if cfg.model.dtype not in dtypes:
+        raise ValueError(f"model.dtype={cfg.model.dtype!r} is not one of {sorted(dtypes)}")
+    path = cfg.prompts_file or cfg.runtime.prompts_file
+    if path and not Path(path).is_file():
+        raise FileNotFoundError(f"prompts_file={path}: " + ("a folder, not a JSONL file" if Path(path).is_dir()
+                                                          else "no such file"))
+
+
 def run(cfg: EvalEntryConfig) -> dict:
     from eval.run import HEAD_DRAFTERS, evaluate, frequent_token_ids
     from heads.eagle3 import Eagle3Head
     from heads.target import load_target
 
     runtime = cfg.runtime
+    check_eval_config(cfg)
     if cfg.head:
         resolve_head(cfg.head)  # a missing release head fails before the target loads
     target = load_target(TargetConfig(**{f.name: getattr(cfg.model, f.name) for f in dataclasses.fields(TargetConfig)}))
@@ -145,7 +159,7 @@ def run(cfg: EvalEntryConfig) -> dict:
     if logger.get("kind") == "wandb" and logger.get("mode") != "disabled":
         import wandb
 
-        wandb.init(project=logger.get("project"), entity=logger.get("entity"), mode=logger.get("mode"),
+        wandb.init(project=logger.get("project"), entity=logger.get("entity"), mode=wandb_mode(logger.get("mode")),
                    name=logger.get("run_name"), tags=logger.get("tags"), job_type="eval",
                    config={"runtime": dataclasses.asdict(runtime), "head": cfg.head})
     report = evaluate(target, prompts, drafters, runtime, head=head, head_config=head_config, out_dir=cfg.out,
@@ -162,7 +176,7 @@ def main(cfg: DictConfig) -> None:
         cfg.out = sweep_output(cfg.out, list(hydra_config.overrides.task), "out")
     try:
         run(OmegaConf.to_object(cfg))
-    except (ValueError, FileNotFoundError) as error:
+    except (ValueError, OSError, OmegaConfBaseException) as error:  # what a user's input can cause
         print(f"eval error: {error}", file=sys.stderr)
         sys.exit(2)
 

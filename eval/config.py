@@ -1,8 +1,12 @@
 """Runtime/evaluation settings (the `runtime` config group)."""
 from __future__ import annotations
 
+import logging
+import os
 from dataclasses import dataclass, field
 from typing import Any
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -39,3 +43,52 @@ class RuntimeConfig:
     fallback: bool = False
     fallback_probe_every: int = 16
     pack_multi_row: bool = True  # lean forward on CPU fp32: oneDNN-packed weights for N >= 2 tokens
+
+
+DRAFTERS = ("eagle_tree", "eagle_chain", "medusa", "prompt_lookup", "draft_model", "self_speculation")
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def check_runtime(r: RuntimeConfig) -> None:
+    """Raise ValueError naming the first `runtime.*` value that cannot work (no I/O; run before
+    any model loads). Used by `python -m train` and `python -m eval` alike."""
+    def need(ok: bool, key: str, what: str) -> None:
+        if not ok:
+            raise ValueError(f"runtime.{key}={getattr(r, key)!r} {what}")
+
+    need(r.attention in ("auto", "reference", "triton"), "attention", "is not one of ['auto', 'reference', 'triton']")
+    for drafter in r.drafters:
+        if drafter not in DRAFTERS:
+            raise ValueError(f"runtime.drafters[]={drafter!r} is not one of {sorted(DRAFTERS)}")
+    need(isinstance(r.temperature, (int, float)) and r.temperature >= 0, "temperature", "must be >= 0")
+    need(isinstance(r.top_p, (int, float)) and 0.0 < r.top_p <= 1.0, "top_p", "must be in (0, 1]")
+    need(_is_int(r.top_k) and r.top_k >= 0, "top_k", "must be an int >= 0 (0: off)")
+    need(r.tree_total_tokens == "auto" or (_is_int(r.tree_total_tokens) and r.tree_total_tokens >= 2),
+         "tree_total_tokens", "must be an int >= 2 (the root plus at least one drafted token) or 'auto'")
+    need(all(_is_int(n) and n >= 2 for n in r.tree_auto_sizes), "tree_auto_sizes", "must hold ints >= 2")
+    for key in ("tree_depth", "tree_top_k", "chain_depth", "max_new_tokens", "num_prompts", "max_prompt_tokens",
+                "prompt_lookup_tokens", "fallback_probe_every"):
+        need(_is_int(getattr(r, key)) and getattr(r, key) >= 1, key, "must be an int >= 1")
+    need(_is_int(r.seed) and r.seed >= 0, "seed", "must be an int >= 0")
+    need(r.threads is None or (_is_int(r.threads) and r.threads >= 0), "threads", "must be null or an int >= 0")
+    need(_is_int(r.draft_vocab_size) and r.draft_vocab_size >= 0, "draft_vocab_size", "must be an int >= 0")
+
+
+def wandb_mode(configured: str, environ=None) -> str:
+    """The W&B mode a job uses: the `WANDB_MODE` environment variable when set (a cluster's way
+    to keep every job offline), else `logger.mode`. Logged either way; an environment variable
+    that turns an offline or disabled setting into uploads is a WARNING. Applied once by the
+    entry points (`python -m train`'s pipeline, `python -m eval`), which pass the result to
+    `wandb.init(mode=...)`; library code passes logger.mode as it is."""
+    environ = os.environ if environ is None else environ
+    override = environ.get("WANDB_MODE")
+    if not override or override == configured:
+        log.info("W&B mode %s (logger.mode%s)", configured, ", WANDB_MODE agrees" if override else "")
+        return configured
+    uploads = override in ("online", "run") and configured in ("offline", "disabled", "dryrun")
+    log.log(logging.WARNING if uploads else logging.INFO, "W&B mode %s from the WANDB_MODE environment variable, "
+            "not logger.mode=%s%s", override, configured, ": this run uploads to W&B" if uploads else "")
+    return override

@@ -71,6 +71,11 @@ def run_export(cfg: ExportConfig) -> dict[str, Path]:
                                     cfg.overwrite)}
 
 
+# What a user's input can cause (ExportError, HeadMismatchError and HeadFileError are ValueErrors;
+# a missing or unreadable path an OSError): a message, not a traceback.
+_EXPECTED = (ValueError, OSError, OmegaConfBaseException)
+
+
 def run_validate(args: list[str]) -> int:
     from export import ExportValidationError, validate_export
 
@@ -79,7 +84,11 @@ def run_validate(args: list[str]) -> int:
     if len(folders) != 1 or set(options) - {"base"}:
         print(USAGE, file=sys.stderr)
         return 2
-    target = load_base(options["base"]) if options.get("base") else None
+    try:
+        target = load_base(options["base"]) if options.get("base") else None
+    except _EXPECTED as error:
+        print(f"export error: base={options['base']}: {error}", file=sys.stderr)
+        return 2
     try:
         summary = validate_export(folders[0], target)
     except ExportValidationError as error:
@@ -96,15 +105,13 @@ def to_export_config(cfg: DictConfig) -> ExportConfig:
 
 @hydra.main(config_path=CONF_DIR, config_name="default", version_base="1.3")
 def main(cfg: DictConfig) -> None:
-    from export import ExportError
-
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", force=True)
     hydra_config = HydraConfig.get()
     if hydra_config.mode == RunMode.MULTIRUN and cfg.out:
         cfg.out = sweep_output(cfg.out, list(hydra_config.overrides.task), "out")
     try:
         paths = run_export(to_export_config(cfg))
-    except (ExportError, OmegaConfBaseException) as error:
+    except _EXPECTED as error:
         print(f"export error: {error}", file=sys.stderr)
         sys.exit(2)
     for fmt, path in paths.items():

@@ -18,6 +18,7 @@ import importlib.util
 import json
 import logging
 import os
+import re
 import shutil
 import tempfile
 from dataclasses import dataclass
@@ -146,6 +147,28 @@ def _dequantized_cache(gguf: Path, cache_dir: Path) -> Path:
     return folder
 
 
+_HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$")
+
+
+def local_or_hub(value: str, key: str) -> Path | str:
+    """One rule for every `name_or_path`-like setting: an existing local path is used as such; a
+    value that looks like a path (starts with `.`, `/` or `~`, has a file suffix, a backslash or
+    several `/`, or names an existing local folder as its `org`) and does not exist is a local-file
+    error; only an `org/name` value is a hub id. A typo in a local path never reaches the hub,
+    where it would retry for a while and then fail, or find someone else's repository."""
+    path = Path(value).expanduser()
+    if path.exists():
+        return path
+    org = value.split("/", 1)[0]
+    looks_local = (value.startswith((".", "/", "~")) or "\\" in value or value.count("/") > 1
+                   or path.suffix.lower() in {".json", ".jsonl", ".parquet", ".csv", ".txt", ".gguf", ".safetensors"}
+                   or ("/" in value and Path(org).is_dir()))
+    if looks_local or not _HUB_ID.match(value):
+        hint = "" if looks_local else " and is not a hub id (org/name)"
+        raise FileNotFoundError(f"{key}={value}: no such local file or folder{hint}")
+    return value
+
+
 def resolve_source(config: TargetConfig) -> tuple[str, dict]:
     """Turn a TargetConfig into (path_or_id, extra from_pretrained kwargs)."""
     cache_dir = Path(config.cache_dir) if config.cache_dir else default_cache_dir()
@@ -161,9 +184,10 @@ def resolve_source(config: TargetConfig) -> tuple[str, dict]:
         return str(_dequantized_cache(path, cache_dir)), {}
     if config.gguf_file:
         return str(_dequantized_cache(path / config.gguf_file, cache_dir)), {}
-    if path.exists() and not (path / "config.json").is_file():
-        raise FileNotFoundError(f"model.name_or_path: {path} has no config.json")
-    return (str(path) if path.exists() else name), {"revision": config.revision}
+    found = local_or_hub(name, "model.name_or_path")
+    if isinstance(found, Path) and not (found / "config.json").is_file():
+        raise FileNotFoundError(f"model.name_or_path: {found} has no config.json")
+    return str(found), {"revision": config.revision}
 
 
 @dataclass

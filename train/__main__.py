@@ -57,7 +57,13 @@ def main(cfg: DictConfig) -> None:
     except (ConfigError, OmegaConfBaseException) as error:
         print(f"config error: {error}", file=sys.stderr)
         sys.exit(2)
-    run_job(job)
+    from train.checkpoint import TrainingDiverged
+
+    try:
+        run_job(job)
+    except (ValueError, OSError, TrainingDiverged) as error:  # bad input, a refused resume, a diverged run
+        print(f"error: {error}", file=sys.stderr)
+        sys.exit(2)
 
 
 def cli(argv: list[str]) -> int:

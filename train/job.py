@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from data.config import DataConfig
-from eval.config import RuntimeConfig
+from eval.config import RuntimeConfig, check_runtime
 from export.config import ExportConfig
 from export.formats import FORMAT_NAMES, get_format
 from heads.config import HeadsConfig
@@ -123,6 +123,10 @@ def validate_job(job: JobConfig) -> JobConfig:
     _positive("trainer.keep_last", t.keep_last)
     _positive("trainer.loss_chunk_size", t.loss_chunk_size)
     _positive("trainer.max_minutes", t.max_minutes)
+    _positive("trainer.log_every", t.log_every)
+    _positive("trainer.eval_batches", t.eval_batches)
+    _positive("trainer.num_threads", t.num_threads, allow_zero=True)
+    _positive("trainer.seed", t.seed, allow_zero=True)
     if not 0.0 <= t.warmup_ratio < 1.0:
         raise ConfigError(f"trainer.warmup_ratio={t.warmup_ratio} must be in [0, 1)")
     for key, beta in (("trainer.adam_beta1", t.adam_beta1), ("trainer.adam_beta2", t.adam_beta2)):
@@ -144,18 +148,10 @@ def validate_job(job: JobConfig) -> JobConfig:
                           "where ZeRO-3 holds a slice of them; use deepspeed=zero2 or share_lm_head=true")
     _choice("logger.kind", job.logger.kind, {"wandb", "none"})
     _choice("logger.mode", job.logger.mode, {"offline", "online", "disabled"})
-    r = job.runtime
-    _choice("runtime.attention", r.attention, {"auto", "reference", "triton"})
-    for drafter in r.drafters:
-        _choice("runtime.drafters[]", drafter,
-                {"eagle_tree", "eagle_chain", "medusa", "prompt_lookup", "draft_model", "self_speculation"})
-    _positive("runtime.temperature", r.temperature, allow_zero=True)
-    if not 0.0 < r.top_p <= 1.0:
-        raise ConfigError(f"runtime.top_p={r.top_p} must be in (0, 1]")
-    if r.tree_total_tokens != "auto":  # an int, or "auto" (chosen from measured costs by eval)
-        _positive("runtime.tree_total_tokens", r.tree_total_tokens)
-    _positive("runtime.tree_depth", r.tree_depth)
-    _positive("runtime.tree_top_k", r.tree_top_k)
+    try:
+        check_runtime(job.runtime)
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
     for fmt in job.export.formats:
         _choice("export.formats[]", fmt, {*FORMAT_NAMES, "engine"})
         if fmt not in ("native", "engine") and get_format(fmt).head_type != job.heads.type:

@@ -97,7 +97,7 @@ def _init_wandb(run_dir: Path, config: LoggerConfig, run_config: dict | None):
     run_id = job_id(run_dir)  # a resumed job continues the same W&B run
     return wandb.init(
         project=config.project, entity=config.entity, name=config.run_name, tags=config.tags,
-        config=run_config, dir=str(run_dir), mode=os.environ.get("WANDB_MODE") or config.mode, id=run_id,
+        config=run_config, dir=str(run_dir), mode=config.mode, id=run_id,
         resume="allow", group=run_id, job_type="train", settings=wandb.Settings(console="off", silent=True),
     )
 
@@ -113,7 +113,7 @@ def stage_run(config: LoggerConfig, run_dir: str | os.PathLike, job_type: str, r
 
     run_dir = Path(run_dir)
     run = wandb.init(project=config.project, entity=config.entity, tags=config.tags, config=run_config,
-                     dir=str(run_dir), mode=os.environ.get("WANDB_MODE") or config.mode, group=job_id(run_dir),
+                     dir=str(run_dir), mode=config.mode, group=job_id(run_dir),
                      job_type=job_type, name=f"{config.run_name}-{job_type}" if config.run_name else None,
                      settings=wandb.Settings(console="off", silent=True))
     try:

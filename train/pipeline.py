@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from eval.config import wandb_mode
 from heads.target import FrozenTarget, load_target
 from train.config import LoggerConfig
 from train.job import ConfigError, JobConfig
@@ -80,6 +81,8 @@ def run_job(job: JobConfig) -> dict:
     started = time.time()
     earlier = _earlier_summary(run_dir)
     log.info("job %s: stages %s, run folder %s", job.recipe, job.stages, run_dir)
+    if job.logger.kind == "wandb":  # WANDB_MODE may override logger.mode: said once, here
+        job = dataclasses.replace(job, logger=dataclasses.replace(job.logger, mode=wandb_mode(job.logger.mode)))
     target = load_job_target(job)
     check_arch(job, target)
     summary: dict = {"recipe": job.recipe, "target": target.name, "fingerprint": target.fingerprint(),

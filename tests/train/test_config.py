@@ -75,6 +75,13 @@ def test_unknown_key_or_wrong_type_names_the_key(override, key):
     ("heads.eagle3.ttt_steps=0", "heads.eagle3.ttt_steps"),
     ("heads.eagle3.aux_layer_ids=[2,15,30]", "heads.eagle3.aux_layer_ids"),  # SmolLM2 has 30 layers
     ("heads.eagle3.aux_layer_ids=[]", "heads.eagle3.aux_layer_ids"),
+    ("trainer.log_every=0", "trainer.log_every"),
+    ("trainer.eval_batches=0", "trainer.eval_batches"),
+    ("trainer.num_threads=-1", "trainer.num_threads"),
+    ("trainer.seed=-3", "trainer.seed"),
+    ("runtime.tree_total_tokens=abc", "runtime.tree_total_tokens"),  # was a TypeError
+    ("runtime.tree_total_tokens=1", "runtime.tree_total_tokens"),
+    ("runtime.max_new_tokens=0", "runtime.max_new_tokens"),
 ])
 def test_impossible_values_name_the_key(override, key):
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):

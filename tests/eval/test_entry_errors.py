@@ -1,0 +1,60 @@
+"""`python -m eval` checks its settings before any model loads, and reports every error a user's
+input can cause as one line (exit status 2), not a traceback."""
+from __future__ import annotations
+
+import pytest
+
+import eval.__main__ as entry
+from tests.tiny import tiny_target
+
+
+def _no_target(config):
+    raise AssertionError("the target must not load before the settings are checked")
+
+
+@pytest.mark.parametrize("override, message", [
+    ("runtime.tree_total_tokens=abc", "runtime.tree_total_tokens='abc' must be an int >= 2"),
+    ("runtime.tree_total_tokens=1", "runtime.tree_total_tokens=1 must be an int >= 2"),
+    ("runtime.top_p=0", "runtime.top_p=0"),
+    ("runtime.seed=-1", "runtime.seed=-1"),
+    ("runtime.drafters=[eagle_forest]", "runtime.drafters[]='eagle_forest'"),
+    ("model.dtype=fp8", "model.dtype='fp8'"),
+])
+def test_settings_are_checked_before_the_target_loads(monkeypatch, capsys, override, message):
+    monkeypatch.setattr("heads.target.load_target", _no_target)
+    assert entry.cli([override, "progress=false"]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_a_prompts_folder_and_a_damaged_head_are_one_line_errors(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr("heads.target.load_target", _no_target)
+    assert entry.cli([f"prompts_file={tmp_path}"]) == 2
+    assert "a folder, not a JSONL file" in capsys.readouterr().err
+    monkeypatch.undo()
+    target = tiny_target()
+    monkeypatch.setattr("heads.target.load_target", lambda config: target)
+    (tmp_path / "head").mkdir()
+    (tmp_path / "head" / "head_config.json").write_text("{not json")
+    assert entry.cli([f"head={tmp_path / 'head'}"]) == 2
+    assert "head_config.json: not valid JSON" in capsys.readouterr().err
+    assert entry.cli([f"head={tmp_path / 'missing'}"]) == 2  # an OSError, reported too
+    assert "missing" in capsys.readouterr().err
+
+
+def test_the_wandb_mode_says_which_setting_won(caplog):
+    import logging
+
+    from eval.config import wandb_mode
+
+    with caplog.at_level(logging.INFO):
+        assert wandb_mode("offline", {}) == "offline"
+    assert "W&B mode offline (logger.mode)" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.INFO):
+        assert wandb_mode("offline", {"WANDB_MODE": "online"}) == "online"
+    (record,) = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert "WANDB_MODE" in record.getMessage() and "this run uploads to W&B" in record.getMessage()
+    caplog.clear()
+    with caplog.at_level(logging.INFO):
+        assert wandb_mode("online", {"WANDB_MODE": "offline"}) == "offline"
+    assert "not logger.mode=online" in caplog.text and not any(r.levelno >= logging.WARNING for r in caplog.records)
