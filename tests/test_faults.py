@@ -81,7 +81,7 @@ def test_training_killed_at_random_forward_passes_resumes_to_the_same_losses(tmp
 def test_training_killed_while_writing_a_checkpoint_resumes_to_the_same_losses(tmp_path, reference, monkeypatch):
     target, data, losses, _ = reference
     real_save = torch.save
-    for kill_at in (2, 11):  # the scheduler file of the 1st checkpoint, the RNG file of the 4th
+    for kill_at in (2, 11):  # the scheduler file of the 1st checkpoint, then of the 4th
         writes = 0
 
         def dying_save(obj, path, *args, kill_at=kill_at, **kwargs):
