@@ -15,6 +15,10 @@ marker), so the reply as rendered (trimmed, for Llama-3) is the middle of (b)'s 
 render is tokenized once with offsets; a reply's tokens are those overlapping its character span,
 and the token starting exactly at the span's end is its end-of-turn token. When the reply's last
 token would merge with the template's text (no token boundary there), the record is refused.
+
+Those renders grow with the conversation, so checking every turn is quadratic in turns. A long
+conversation rendered whole (data.overflow=split) is aligned instead against one render whose
+replies are numbered sentinels, and three of its turns are checked as above (`EXACT_REPLIES`).
 """
 from __future__ import annotations
 
@@ -37,28 +41,76 @@ def render(tokenizer, messages: list[dict], add_generation_prompt: bool = False)
         raise TemplateMismatch(f"the chat template refused the conversation: {error}") from None
 
 
+def _turn_span(tokenizer, messages: list[dict], full: str, i: int) -> tuple[int, tuple[int, int]]:
+    """(length of the generation-prompt render before turn i, the reply's span in `full`), from
+    three renders of the conversation up to turn i; raises TemplateMismatch."""
+    head = render(tokenizer, messages[:i], add_generation_prompt=True)
+    turn = render(tokenizer, messages[: i + 1])
+    probe = render(tokenizer, messages[:i] + [{"role": "assistant", "content": _SENTINEL}])
+    if not (full.startswith(turn) and turn.startswith(head) and probe.startswith(head)):
+        raise TemplateMismatch(f"turn {i}: the template's renders of growing prefixes are not prefixes "
+                               "of each other, so reply positions cannot be derived")
+    before, found, after = probe[len(head):].partition(_SENTINEL)
+    segment = turn[len(head):]
+    if not found or not (segment.startswith(before) and segment.endswith(after)
+                         and len(segment) >= len(before) + len(after)):
+        raise TemplateMismatch(f"turn {i}: the template does not render the reply between a fixed "
+                               f"header {before!r} and end marker {after!r}")
+    return len(head), (len(head) + len(before), len(turn) - len(after))
+
+
+def _aligned_spans(tokenizer, messages: list[dict], full: str, replies: list[int]) -> list[tuple[int, int]] | None:
+    """Reply spans from one more render, with every reply replaced by a numbered sentinel: the
+    text between sentinels must appear in `full` in order, each reply (as written, or stripped the
+    way templates trim) between them. None when the render does not line up that way."""
+    marks = {i: f"{_SENTINEL}{n:07d}X" for n, i in enumerate(replies)}
+    marked = render(tokenizer, [dict(m, content=marks[i]) if i in marks else m for i, m in enumerate(messages)])
+    pieces, position = [], 0
+    for i in replies:
+        found = marked.find(marks[i], position)
+        if found < 0:
+            return None
+        pieces.append(marked[position:found])
+        position = found + len(marks[i])
+    pieces.append(marked[position:])
+    spans, at = [], 0
+    for n, i in enumerate(replies):
+        if not full.startswith(pieces[n], at):
+            return None
+        at += len(pieces[n])
+        content = messages[i]["content"]
+        for shown in dict.fromkeys((content, content.strip(), content.rstrip(), content.lstrip())):
+            if full.startswith(shown, at) and full.startswith(pieces[n + 1], at + len(shown)):
+                break
+        else:
+            return None
+        spans.append((at, at + len(shown)))
+        at += len(shown)
+    return spans if at + len(pieces[-1]) == len(full) else None
+
+
+# Conversations with more replies than this are not checked turn by turn (three renders of a growing
+# prefix per reply: quadratic in turns): their spans come from one aligned render, and the first,
+# middle and last replies are checked turn by turn against it.
+EXACT_REPLIES = 8
+
+
 def reply_spans(tokenizer, messages: list[dict], full: str, char_limit: int | None = None) -> list[tuple[int, int]]:
     """Character spans [start, end) of the assistant replies in `full` (the whole render), for the
     turns whose generation prompt ends before `char_limit` (all turns when None)."""
+    replies = [i for i, message in enumerate(messages) if message["role"] == "assistant"]
+    if char_limit is None and len(replies) > EXACT_REPLIES:
+        spans = _aligned_spans(tokenizer, messages, full, replies)
+        checked = sorted({0, len(replies) // 2, len(replies) - 1})
+        if spans is not None and all(_turn_span(tokenizer, messages, full, replies[n])[1] == spans[n]
+                                     for n in checked):
+            return spans
     spans = []
-    for i, message in enumerate(messages):
-        if message["role"] != "assistant":
-            continue
-        head = render(tokenizer, messages[:i], add_generation_prompt=True)
-        if char_limit is not None and len(head) >= char_limit:
+    for i in replies:
+        head, span = _turn_span(tokenizer, messages, full, i)
+        if char_limit is not None and head >= char_limit:
             break
-        turn = render(tokenizer, messages[: i + 1])
-        probe = render(tokenizer, messages[:i] + [{"role": "assistant", "content": _SENTINEL}])
-        if not (full.startswith(turn) and turn.startswith(head) and probe.startswith(head)):
-            raise TemplateMismatch(f"turn {i}: the template's renders of growing prefixes are not prefixes "
-                                   "of each other, so reply positions cannot be derived")
-        before, found, after = probe[len(head):].partition(_SENTINEL)
-        segment = turn[len(head):]
-        if not found or not (segment.startswith(before) and segment.endswith(after)
-                             and len(segment) >= len(before) + len(after)):
-            raise TemplateMismatch(f"turn {i}: the template does not render the reply between a fixed "
-                                   f"header {before!r} and end marker {after!r}")
-        spans.append((len(head) + len(before), len(turn) - len(after)))
+        spans.append(span)
     return spans
 
 

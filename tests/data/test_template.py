@@ -86,3 +86,59 @@ def test_template_errors_become_template_mismatch(smollm2_tokenizer):
                                "{{ raise_exception('no system role') }}{% endif %}{{ m['content'] }}{% endfor %}")
     with pytest.raises(TemplateMismatch, match="no system role"):
         tokenize_with_mask(tokenizer, CONVERSATION)
+
+
+def _long(replies: int) -> list[dict]:
+    messages = [{"role": "system", "content": "Be brief."}]
+    for i in range(replies):
+        messages.append({"role": "user", "content": f"Question {i}?" + ("\n" if i % 3 == 0 else "")})
+        messages.append({"role": "assistant", "content": (" " if i % 4 == 1 else "") + f"Answer {i}, done."
+                         + ("\n\n" if i % 5 == 2 else "")})
+    return messages
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_long_conversations_are_masked_as_turn_by_turn(family_tokenizers, family, monkeypatch):
+    """A conversation with more replies than EXACT_REPLIES is aligned in one render; the mask is the
+    one the turn-by-turn derivation gives (forced here by raising EXACT_REPLIES)."""
+    import data.template as template
+
+    tokenizer, messages = family_tokenizers[family], _long(3 * template.EXACT_REPLIES)
+    fast = tokenize_with_mask(tokenizer, messages)
+    monkeypatch.setattr(template, "EXACT_REPLIES", 10**9)
+    assert fast == tokenize_with_mask(tokenizer, messages)
+
+
+@pytest.mark.integration
+def test_split_renders_a_bounded_number_of_times(smollm2_tokenizer, monkeypatch):
+    """Every turn-by-turn check renders a growing prefix (quadratic in turns); a long conversation
+    costs the whole render, one aligned render and three checked turns."""
+    import data.template as template
+
+    calls = []
+    real = template.render
+    monkeypatch.setattr(template, "render", lambda *args, **kwargs: calls.append(1) or real(*args, **kwargs))
+    for replies in (20, 200):
+        calls.clear()
+        tokenize_with_mask(smollm2_tokenizer, _long(replies))
+        assert len(calls) == 2 + 3 * 3
+
+
+@pytest.mark.integration
+def test_a_long_conversation_with_a_template_that_rewrites_earlier_turns_is_refused(smollm2_tokenizer):
+    """Like templates that drop earlier turns' reasoning: the aligned render cannot place those
+    replies, and the turn-by-turn check names the turn."""
+    import copy
+
+    tokenizer = copy.deepcopy(smollm2_tokenizer)
+    tokenizer.chat_template = (
+        "{% for m in messages %}{% set text = m['content'] %}"
+        "{% if m['role'] == 'assistant' and not loop.last %}{% set text = text.split('</think>')[-1] %}{% endif %}"
+        "{{ m['role'] + ': ' + text + '\n' }}{% endfor %}{% if add_generation_prompt %}{{ 'assistant: ' }}{% endif %}")
+    messages = _long(12)
+    for message in messages:
+        if message["role"] == "assistant":
+            message["content"] = "<think>hmm</think>" + message["content"]
+    with pytest.raises(TemplateMismatch, match="turn 2"):
+        tokenize_with_mask(tokenizer, messages)
