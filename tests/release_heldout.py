@@ -77,6 +77,7 @@ def evaluate_release(target, path: Path = HELD_OUT, cache_dir: Path | None = Non
     from export.validate import load_export
     from train.data_order import eval_batches
     from train.evaluate import run_eval
+    from train.kinds import head_kind
     from train.objectives import FrozenParts, OnlineFeatures
 
     job = release_job()
@@ -89,9 +90,8 @@ def evaluate_release(target, path: Path = HELD_OUT, cache_dir: Path | None = Non
     head, _, manifest = load_export(RELEASE, target, dtype="float32")
     pad = target.config.pad_token_id if target.config.pad_token_id is not None else 0
     batches = eval_batches(rows, job.trainer.batch_size, 1, 0, job.trainer.eval_batches, pad, target.device)
-    steps = job.heads.eagle.eval_steps
-    figures = run_eval(head.eval(), "eagle", FrozenParts.from_target(target), OnlineFeatures(target), batches,
-                       steps, (steps, 3))
+    figures = run_eval(head.eval(), head_kind(job.heads), FrozenParts.from_target(target), OnlineFeatures(target),
+                       batches)
     return figures, manifest["training"]["held_out"]
 
 

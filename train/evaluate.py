@@ -147,36 +147,32 @@ def medusa_eval_counts(heads: nn.Module, parts: FrozenParts, batch: dict, featur
     return counts
 
 
-def summarize(counts: torch.Tensor, kind: str) -> dict[str, float]:
-    """(S, 3) summed counts -> {eval/top1_<i>, eval/top5_<i>, eval/positions, eval/acceptance_length}."""
-    name = "head" if kind == "medusa" else "step"
+def summarize(counts: torch.Tensor, unit: str) -> dict[str, float]:
+    """(S, 3) summed counts -> {eval/top1_<unit><i>, eval/top5_<unit><i>, eval/positions,
+    eval/acceptance_length}; unit: "step" (drafted chain depth) or "head" (Medusa head)."""
     top1 = (counts[:, 0] / counts[:, 2].clamp(min=1)).tolist()
     top5 = (counts[:, 1] / counts[:, 2].clamp(min=1)).tolist()
     metrics = {"eval/positions": float(counts[0, 2])}
     for i, (a1, a5) in enumerate(zip(top1, top5)):
-        metrics[f"eval/top1_{name}{i}"] = a1
-        metrics[f"eval/top5_{name}{i}"] = a5
+        metrics[f"eval/top1_{unit}{i}"] = a1
+        metrics[f"eval/top5_{unit}{i}"] = a5
     metrics["eval/acceptance_length"] = acceptance_estimate(top1)
     return metrics
 
 
 @torch.no_grad()
-def run_eval(head: nn.Module, kind: str, parts: FrozenParts, source, batches, eagle_steps: int,
-             shape: tuple[int, int], reduce=None, cache: dict | None = None) -> dict[str, float]:
-    """Sum counts (shape (steps or K, 3)) over `batches` (this process's share, maybe empty),
-    `reduce(counts)` sums them across processes (None: one process), and summarize. `cache`: a
-    dict kept between evaluations of the same batches (the target's greedy tokens per batch)."""
-    counts = torch.zeros(shape, device=parts.lm_head_weight.device)
+def run_eval(head: nn.Module, kind, parts: FrozenParts, source, batches, reduce=None,
+             cache: dict | None = None) -> dict[str, float]:
+    """Sum the head kind's counts (`kind.eval_counts`, (kind.eval_rows, 3)) over `batches` (this
+    process's share, maybe empty), `reduce(counts)` sums them across processes (None: one
+    process), and summarize. `cache`: a dict kept between evaluations of the same batches (the
+    target's greedy tokens per batch)."""
+    counts = torch.zeros(kind.eval_rows, 3, device=parts.lm_head_weight.device)
     for index, batch in enumerate(batches):
         features = source(batch)
         truths = cache.setdefault(index, []) if cache is not None else None
-        if kind == "eagle":
-            c = eagle_eval_counts(head, parts, batch, features, eagle_steps, truths)
-        elif kind == "eagle3":
-            c = eagle3_eval_counts(head, parts, batch, features, eagle_steps, truths)
-        else:
-            c = medusa_eval_counts(head, parts, batch, features, truths)
+        c = kind.eval_counts(head, parts, batch, features, truths)
         counts[: c.shape[0]] += c
     if reduce is not None:
         counts = reduce(counts)
-    return summarize(counts.cpu(), kind)
+    return summarize(counts.cpu(), kind.unit)

@@ -17,18 +17,16 @@ from pathlib import Path
 
 import torch
 
-from heads.eagle import EagleConfig, init_from_target as init_eagle, set_fc_by_ridge
-from heads.io import build_head, load_head, read_head_meta
-from heads.medusa import MedusaConfig, init_from_target as init_medusa
+from heads.io import head_type, load_head, read_head_meta
 from train.checkpoint import (
     TrainingDiverged, find_resume, prune_checkpoints, rng_state, save_checkpoint, set_rng_state,
 )
 from train.data_order import BatchStream, eval_batches
 from train.evaluate import run_eval
+from train.kinds import HeadKind, head_kind
 from train.metrics import MetricsLogger, gpu_memory_metrics
 from train.objectives import (
-    FeatureSource, FrozenParts, MemoizedFeatures, OnlineFeatures, eagle_step, frequent_reply_tokens, medusa_step,
-    ridge_sums,
+    FeatureSource, FrozenParts, MemoizedFeatures, OnlineFeatures, frequent_reply_tokens, source_layers,
 )
 from train.run_identity import run_identity
 
@@ -63,24 +61,17 @@ def lr_factor(step: int, warmup_steps: int, total_steps: int, schedule: str) -> 
     raise ValueError(f"trainer.schedule={schedule!r} is not one of ['constant', 'cosine', 'linear']")
 
 
-def build_head_for_job(job, target, initial=None):
+def build_head_for_job(job, target, initial=None, kind: HeadKind | None = None):
     """(head, head config): `initial` when given (a head the caller loaded, e.g. from an engine
-    export), else from trainer.init_from (a checkpoint or native export), else fresh and
-    initialised from the target."""
-    kind, source = job.heads.type, job.trainer.init_from
+    export), else from trainer.init_from (a checkpoint or native export), else fresh: the head
+    kind's build, initialised from the target."""
+    kind, source = kind or head_kind(job.heads), job.trainer.init_from
     if initial is not None or source:
         head, config = initial if initial is not None else load_head(source, target)[:2]
-        if not isinstance(config, EagleConfig if kind == "eagle" else MedusaConfig):
-            raise ValueError(f"trainer.init_from={source} holds a {type(config).__name__}, but heads.type={kind}")
+        if head_type(config) != kind.name:
+            raise ValueError(f"trainer.init_from={source} holds a {type(config).__name__}, but heads.type={kind.name}")
         return head, config
-    if kind == "eagle":
-        config = EagleConfig.from_target(target, fc_bias=job.heads.eagle.fc_bias)
-        head = init_eagle(build_head(config), target, job.heads.eagle.init_layer, job.heads.eagle.init_fc)
-    else:
-        m = job.heads.medusa
-        config = MedusaConfig.from_target(target, num_heads=m.num_heads, num_layers=m.num_layers,
-                                          share_lm_head=m.share_lm_head)
-        head = init_medusa(build_head(config), target)
+    head, config = kind.build(target)
     if job.heads.hidden_size is not None and job.heads.hidden_size != config.hidden_size:
         raise ValueError(f"heads.hidden_size={job.heads.hidden_size} but the target's is {config.hidden_size}")
     return head, config
@@ -95,7 +86,7 @@ def train_heads(job, target, data, source: FeatureSource | None = None, accelera
 
     from train.distributed import full_parameters, gather_head_state, make_accelerator, restore_head_state
 
-    t, kind = job.trainer, job.heads.type
+    t, kind = job.trainer, head_kind(job.heads)
     start_time = time.time()  # trainer.max_minutes counts set-up (ridge fit) and evaluations too
     if t.num_threads:
         torch.set_num_threads(t.num_threads)
@@ -106,19 +97,22 @@ def train_heads(job, target, data, source: FeatureSource | None = None, accelera
     set_seed(t.seed + rank)
 
     target.to(device)
-    loss_vocab, size = None, job.heads.eagle.loss_vocab_size
-    size = job.runtime.draft_vocab_size if size is None else size
-    if kind == "eagle" and size:
+    loss_vocab, size = None, kind.loss_vocab_size(job)
+    if size:
         loss_vocab = frequent_reply_tokens(data.train, size, target.vocab_size)
     parts = FrozenParts.from_target(target, loss_vocab)
-    source = source or OnlineFeatures(target)
+    layers = kind.feature_layers(target.num_layers)
+    source = source or OnlineFeatures(target, layers)
+    if source_layers(source) != layers:
+        raise ValueError(f"the feature source supplies target layers {source_layers(source)}, but a {kind.name} "
+                         f"head reads {layers}")
     eval_source = source
     if t.feature_memory_mb > 0:  # reuse each row's features across epochs and evaluations
         source = MemoizedFeatures(source, t.feature_memory_mb)
         eval_source = MemoizedFeatures(eval_source, t.feature_memory_mb)
-    head, head_config = build_head_for_job(job, target, initial)
+    head, head_config = build_head_for_job(job, target, initial, kind)
     head.to(device)
-    optimizer = torch.optim.AdamW(_param_groups(head, kind, job.heads.eagle, t.learning_rate), lr=t.learning_rate,
+    optimizer = torch.optim.AdamW(kind.param_groups(head, t.learning_rate), lr=t.learning_rate,
                                   betas=(t.adam_beta1, t.adam_beta2), weight_decay=t.weight_decay)
     warmup = int(t.warmup_ratio * t.max_steps)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
@@ -134,12 +128,18 @@ def train_heads(job, target, data, source: FeatureSource | None = None, accelera
 
     identity = run_identity(job, target, data.train, world)
     resume, checkpoint = find_resume(t.resume, root, identity, main)  # refuses another run's checkpoints
-    if checkpoint is None and not t.init_from and kind == "eagle" and job.heads.eagle.init_fc == "ridge":
-        _fit_fc(head, job.heads.eagle, parts, source, data.train, t, world, rank, pad_id, device, reduce)
+    if checkpoint is None and not t.init_from and initial is None:  # a fresh head: the kind's set-up
+
+        def first_batches():  # the batches training starts with, read only if the kind asks
+            peek = BatchStream(data.train, t.batch_size, world, rank, t.seed, pad_id, device)
+            for _ in range(peek.batches_per_epoch()):
+                yield peek.next()
+
+        kind.prepare(head, parts, source, first_batches(), world, reduce)
     if checkpoint is not None:
         meta = read_head_meta(resume)
-        if meta["type"] != kind:
-            raise ValueError(f"trainer.resume: {resume} holds a {meta['type']} head but heads.type={kind}")
+        if meta["type"] != kind.name:
+            raise ValueError(f"trainer.resume: {resume} holds a {meta['type']} head but heads.type={kind.name}")
         head.load_state_dict(checkpoint["model"])
         state.update({k: checkpoint["state"][k] for k in state if k in checkpoint["state"]})
         stream.load_position(checkpoint["state"]["data_position"])
@@ -155,9 +155,6 @@ def train_heads(job, target, data, source: FeatureSource | None = None, accelera
         log.info("resumed from %s at step %d", resume, state["step"])
 
     logger = MetricsLogger(run_dir, job.logger, dataclasses.asdict(job), resume_step=state["step"]) if main else None
-    step_fn = eagle_step if kind == "eagle" else medusa_step
-    options = job.heads.eagle if kind == "eagle" else job.heads.medusa
-    eval_rows = job.heads.eagle.eval_steps if kind == "eagle" else job.heads.medusa.num_heads
     best_step = state["best"]["step"] if state["best"] else None
     eval_cache: dict = {}  # the target's greedy tokens on the held-out batches, computed once
     last_saved = resume
@@ -165,8 +162,7 @@ def train_heads(job, target, data, source: FeatureSource | None = None, accelera
     def evaluate() -> dict:
         model = accelerator.unwrap_model(head).eval()
         with accelerator.autocast():
-            metrics = run_eval(model, kind, parts, eval_source, held_out, job.heads.eagle.eval_steps, (eval_rows, 3),
-                               reduce, eval_cache)
+            metrics = run_eval(model, kind, parts, eval_source, held_out, reduce, eval_cache)
         head.train()
         return metrics
 
@@ -216,7 +212,7 @@ def train_heads(job, target, data, source: FeatureSource | None = None, accelera
                 with accelerator.accumulate(head):
                     features = source(batch)
                     with accelerator.autocast():
-                        out = step_fn(head, parts, batch, features, options, t.loss_chunk_size)
+                        out = kind.step(head, parts, batch, features, t.loss_chunk_size)
                     _check_finite(reduce, out["loss"].detach(), state["step"], "loss", last_saved)
                     accelerator.backward(out["loss"])
                     if accelerator.sync_gradients:
@@ -234,7 +230,7 @@ def train_heads(job, target, data, source: FeatureSource | None = None, accelera
             over_budget = bool(reduce(torch.tensor(float(over_budget), device=device)) > 0)
             last = step >= t.max_steps or over_budget
             if step % t.log_every == 0 or last:
-                metrics = window.flush(reduce, device, kind, world)
+                metrics = window.flush(reduce, device, world)
                 state["tokens"] += int(metrics.pop("tokens"))
                 metrics.update({"train/lr": scheduler.get_last_lr()[-1], "train/grad_norm": float(grad_norm),
                                 "train/tokens_seen": state["tokens"], **gpu_memory_metrics(device)})
@@ -254,7 +250,7 @@ def train_heads(job, target, data, source: FeatureSource | None = None, accelera
         if last_eval_step != state["step"]:
             state["last_eval"] = evaluate()
         best = root / f"step-{best_step:08d}" if best_step is not None else None
-        result = TrainResult(run_dir=run_dir, head_type=kind, steps=state["step"], stopped=stopped,
+        result = TrainResult(run_dir=run_dir, head_type=kind.name, steps=state["step"], stopped=stopped,
                              last_checkpoint=last_saved, best_checkpoint=best,
                              best_eval=(state["best"] or {}), final_eval=state["last_eval"])
         if main:
@@ -266,27 +262,6 @@ def train_heads(job, target, data, source: FeatureSource | None = None, accelera
         if logger is not None:
             logger.close()
     return result
-
-
-def _param_groups(head, kind: str, options, learning_rate: float) -> list[dict]:
-    """One AdamW group, or for EAGLE with fc_learning_rate_scale != 1 two: fc at the scaled rate
-    (a ridge-fitted fc is a solution Adam's first, sign-like steps would scramble) and the rest."""
-    if kind != "eagle" or options.fc_learning_rate_scale == 1.0:
-        return [{"params": list(head.parameters())}]
-    fc = [p for name, p in head.named_parameters() if name.startswith("fc.")]
-    rest = [p for name, p in head.named_parameters() if not name.startswith("fc.")]
-    return [{"params": fc, "lr": learning_rate * options.fc_learning_rate_scale}, {"params": rest}]
-
-
-def _fit_fc(head, options, parts, source, rows, t, world, rank, pad_id, device, reduce) -> None:
-    """init_fc=ridge: fit fc on the first ~ridge_tokens counted positions of the training order
-    (the same batches training starts with, so a memoized source computes them once)."""
-    peek = BatchStream(rows, t.batch_size, world, rank, t.seed, pad_id, device)
-    batches = (peek.next() for _ in range(peek.batches_per_epoch()))
-    gram, cross, count = ridge_sums(parts, batches, source, options.ridge_tokens // world)
-    count = int(reduce(torch.tensor(float(count), device=device)).item())
-    set_fc_by_ridge(head, reduce(gram), reduce(cross), count, options.ridge_penalty)
-    log.info("fc initialised by ridge regression on %d positions", count)
 
 
 def _check_finite(reduce, value: torch.Tensor, step: int, what: str, last_saved) -> None:
@@ -303,7 +278,8 @@ def _short(metrics: dict) -> str:
 
 
 class _Window:
-    """Sums of per-step figures between two log lines."""
+    """Sums of per-step figures between two log lines: the kind's figures averaged over
+    micro-steps, its (hits, positions) pairs as rates."""
 
     def __init__(self):
         self.reset()
@@ -311,30 +287,27 @@ class _Window:
     def reset(self):
         self.sums: dict[str, float] = {"seconds": 0.0}
 
-    def add(self, out: dict, tokens: int, kind: str) -> None:
+    def add(self, out: dict, tokens: int, kind: HeadKind) -> None:
+        means, rates = kind.figures(out)
         figures = {"loss": float(out["loss"].detach()), "micro_steps": 1.0, "tokens": float(tokens)}
-        if kind == "eagle":
-            figures.update(feature_loss=float(out["feature_loss"]), logit_loss=float(out["logit_loss"]),
-                           hits0=float(out["hits"].sum()), positions0=float(out["hits"].numel()))
-        else:
-            for k, (loss, hits) in enumerate(zip(out["head_losses"], out["hits"])):
-                figures.update({f"loss_head{k}": float(loss), f"hits{k}": float(hits.sum()),
-                                f"positions{k}": float(hits.numel())})
+        figures.update({f"mean:{name}": value for name, value in means.items()})
+        for name, (hits, positions) in rates.items():
+            figures.update({f"hits:{name}": hits, f"positions:{name}": positions})
         for key, value in figures.items():
             self.sums[key] = self.sums.get(key, 0.0) + value
 
-    def flush(self, reduce, device, kind: str, world: int) -> dict:
+    def flush(self, reduce, device, world: int) -> dict:
         keys = sorted(self.sums)
         totals = dict(zip(keys, reduce(torch.tensor([self.sums[k] for k in keys], device=device)).tolist()))
         seconds = max(totals.pop("seconds") / world, 1e-9)  # mean wall time of the steps, eval excluded
         micro = totals.pop("micro_steps")
-        metrics = {"tokens": totals["tokens"], "train/tokens_per_s": totals.pop("tokens") / seconds}
+        metrics = {"tokens": totals["tokens"], "train/tokens_per_s": totals.pop("tokens") / seconds,
+                   "train/loss": totals.pop("loss") / micro}
         for key, value in totals.items():
-            if key.startswith("hits"):
-                index = key[4:]
-                name = f"train/top1_{'step' if kind == 'eagle' else 'head'}{index}"
-                metrics[name] = value / max(totals[f"positions{index}"], 1.0)
-            elif not key.startswith("positions"):
-                metrics[f"train/{key}"] = value / micro
+            what, _, name = key.partition(":")
+            if what == "mean":
+                metrics[f"train/{name}"] = value / micro
+            elif what == "hits":
+                metrics[f"train/{name}"] = value / max(totals[f"positions:{name}"], 1.0)
         self.reset()
         return metrics

@@ -1,9 +1,11 @@
 """One training step's math for each head type, and the seam that supplies target features.
 
 `FeatureSource` is the one function the loop calls to get the frozen target's view of a batch:
-the final post-norm features (B, T, D). The target's logits are never materialised whole: the
-losses project only the counted rows through the frozen lm_head, chunk by chunk. `OnlineFeatures`
-runs the target under no_grad; an offline cache reader implements the same protocol.
+the target states a head kind reads (`HeadKind.feature_layers`: the final post-norm state for
+EAGLE-1/2 and Medusa; several residual streams plus the final state for EAGLE-3), concatenated
+along the last dim. The target's logits are never materialised whole: the losses project only the
+counted rows through the frozen lm_head, chunk by chunk. `OnlineFeatures` runs the target under
+no_grad; an offline cache reader (train/offline.py) implements the same protocol.
 """
 from __future__ import annotations
 
@@ -21,25 +23,34 @@ from train.losses import (
 )
 
 
+FINAL = -1  # the target's final post-norm state (what its lm_head reads); other layer ids index `hidden_states`
+
+
 class FeatureSource(Protocol):
+    layers: tuple[int, ...]  # the target states it returns, in order (FINAL or hidden_states indices)
+
     def __call__(self, batch: dict) -> torch.Tensor:
         """batch: input_ids (B, T), attention_mask (B, T), loss_mask (B, T), ids [B] -> the target's
-        hidden states at the source's layers, concatenated in their order: (B, T, n·D) on the
-        batch's device. The default layers are (-1,): the final post-norm features (B, T, D)."""
+        states at `layers` concatenated on the last dim (B, T, len(layers)·D), on the batch's
+        device. With layers == (FINAL,) (EAGLE-1/2, Medusa): the final post-norm features (B, T, D)."""
+
+
+def source_layers(source) -> tuple[int, ...]:
+    """What a source returns; a bare callable (tests, wrappers) supplies the final state."""
+    return tuple(getattr(source, "layers", (FINAL,)))
 
 
 class OnlineFeatures:
     """Run the frozen target on each batch (online mode). layers: transformers' hidden_states
     numbering (i = the stream entering decoder layer i), -1 = the final post-norm state."""
 
-    def __init__(self, target, layers=(-1,)):
-        self.target, self.layers = target, list(layers)
+    def __init__(self, target, layers: tuple[int, ...] = (FINAL,)):
+        self.target, self.layers = target, tuple(layers)
 
     def __call__(self, batch: dict) -> torch.Tensor:
         out = self.target.features(batch["input_ids"], batch["attention_mask"], layers=self.layers)
-        wrap = self.target.num_layers + 1
-        hidden = [out.hidden[layer % wrap] for layer in self.layers]
-        return hidden[0] if len(hidden) == 1 else torch.cat(hidden, -1)  # (B, T, n·D)
+        states = [out.hidden[layer % (self.target.num_layers + 1)] for layer in self.layers]  # each (B, T, D)
+        return states[0] if len(states) == 1 else torch.cat(states, -1)
 
 
 class MemoizedFeatures:
@@ -49,6 +60,7 @@ class MemoizedFeatures:
 
     def __init__(self, source: FeatureSource, max_megabytes: float):
         self.source, self.budget = source, max_megabytes * 2**20
+        self.layers = source_layers(source)
         self.rows: dict[str, torch.Tensor] = {}
         self.used = 0
 

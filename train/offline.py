@@ -23,26 +23,26 @@ from pathlib import Path
 import torch
 
 from data.feature_cache import FeatureCache, shard_name, write_feature_cache, write_index
+from train.kinds import head_kind
 
 log = logging.getLogger(__name__)
 
 
 class OfflineFeatures:
-    """batch (input_ids (B, T), attention_mask, loss_mask, ids [B]) -> cached features (B, T, n·D):
-    the cached `layers` concatenated in their order (-1: the final post-norm state), as
-    OnlineFeatures returns them.
+    """batch (input_ids (B, T), attention_mask, loss_mask, ids [B]) -> cached features (B, T, n·D).
 
-    dtype: what the heads compute in (the cache may hold bf16). Checks that the cached token ids
-    are the batch's, so a cache built from other data or another tokenizer fails loudly instead of
-    training on noise.
+    layers: the cached states to return, concatenated on the last dim in this order (FINAL = -1:
+    the final post-norm state). dtype: what the heads compute in (the cache may hold bf16). Checks
+    that the cached token ids are the batch's, so a cache built from other data or another
+    tokenizer fails loudly instead of training on noise.
     """
 
-    def __init__(self, cache: FeatureCache, layers=(-1,), dtype: torch.dtype = torch.float32):
+    def __init__(self, cache: FeatureCache, layers: tuple[int, ...] = (-1,), dtype: torch.dtype = torch.float32):
         missing = [layer for layer in layers if layer not in cache.layers]
         if missing:
             raise ValueError(f"feature cache {cache.directory} holds layers {cache.layers}, not {missing} "
                              "(delete it or choose another data.feature_cache_dir)")
-        self.cache, self.layers, self.dtype = cache, list(layers), dtype
+        self.cache, self.layers, self.dtype = cache, tuple(layers), dtype
 
     def __call__(self, batch: dict) -> torch.Tensor:
         ids = batch["input_ids"]  # (B, T)
@@ -54,14 +54,11 @@ class OfflineFeatures:
             if n > T or not torch.equal(record["input_ids"], ids[b, :n].cpu()):
                 raise ValueError(f"feature cache {self.cache.directory}: record {record_id!r} holds other tokens "
                                  "than the batch (stale cache? delete it and run the data stage again)")
-            hidden = [record["hidden"][layer] for layer in self.layers]  # each (n, D)
-            width = sum(h.shape[-1] for h in hidden)
+            states = [record["hidden"][layer] for layer in self.layers]  # each (n, D)
+            hidden = states[0] if len(states) == 1 else torch.cat(states, -1)  # (n, len(layers)·D)
             if out is None:
-                out = torch.zeros(B, T, width, dtype=self.dtype)  # (B, T, n·D)
-            start = 0
-            for h in hidden:
-                out[b, :n, start:start + h.shape[-1]] = h.to(self.dtype)
-                start += h.shape[-1]
+                out = torch.zeros(B, T, hidden.shape[-1], dtype=self.dtype)  # (B, T, len(layers)·D)
+            out[b, :n] = hidden.to(self.dtype)
         return out.to(ids.device)
 
 
@@ -86,9 +83,12 @@ def feature_cache_dir(job) -> Path:
     return Path(job.data.feature_cache_dir or Path(job.trainer.output_dir) / "features")
 
 
-def offline_source(job, target, prepared, layers=(-1,)) -> OfflineFeatures:
-    """Build (or finish) the feature cache of `layers` for prepared.train + prepared.eval and read
-    it back. Prints the size estimate first; refuses when the disk cannot hold it."""
+def offline_source(job, target, prepared, layers: tuple[int, ...] | None = None) -> OfflineFeatures:
+    """Build (or finish) the feature cache of prepared.train + prepared.eval and read it back.
+    `layers`: the target states to cache (None: those the job's head kind reads). Prints the
+    size estimate first; refuses when the disk cannot hold it."""
+    if layers is None:
+        layers = head_kind(job.heads).feature_layers(target.num_layers)
     directory = feature_cache_dir(job)
     rows = list(prepared.train) + list(prepared.eval)
     rank, world = _rank_world()
@@ -107,13 +107,14 @@ def offline_source(job, target, prepared, layers=(-1,)) -> OfflineFeatures:
     if written_by.get("id") and written_by["id"] != target.fingerprint()["id"]:
         raise ValueError(f"feature cache {directory} was written by another target (fingerprint {written_by['id']}, "
                          f"this one {target.fingerprint()['id']}); delete it or choose another data.feature_cache_dir")
-    return OfflineFeatures(cache, layers=layers, dtype=target.dtype)
+    return OfflineFeatures(cache, layers=tuple(layers), dtype=target.dtype)
 
 
 def parts_only_layers(job) -> list[int] | None:
     """The decoder layers the job still reads from the target when its feature cache is finished
-    and no stage runs the target (EAGLE: layer 0, whose shape the head copies, and
-    heads.eagle.init_layer, its initial weights; Medusa or trainer.init_from: none).
+    and no stage runs the target: those its head kind's build reads (EAGLE: layer 0, whose shape
+    the head copies, and heads.eagle.init_layer, its initial weights; Medusa: none); none with
+    trainer.init_from.
     None when the job needs the whole target: online mode, an unfinished cache, regeneration, eval."""
     stages = set(job.stages)
     runs_target = job.data.regenerate.enabled or not stages <= {"data", "features", "train", "export"}
@@ -121,10 +122,9 @@ def parts_only_layers(job) -> list[int] | None:
         return None
     if not (feature_cache_dir(job) / "index.json").is_file():
         return None
-    if job.heads.type != "eagle" or job.trainer.init_from:
+    if job.trainer.init_from:
         return []
-    init = job.heads.eagle.init_layer
-    return [0] + ([init] if init is not None else [])
+    return head_kind(job.heads).init_layers()
 
 
 def _eos_ids(target) -> list[int]:

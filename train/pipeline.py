@@ -257,8 +257,11 @@ def _evaluate(job: JobConfig, target: FrozenTarget, head, head_config, run_dir: 
         prompts = load_prompt_file(runtime.prompts_file, target.tokenizer, runtime.max_prompt_tokens)
     else:
         prompts = eval_prompts(job.data, target.tokenizer, runtime.num_prompts, runtime.max_prompt_tokens)
-    kind = job.heads.type
-    wanted = [d for d in runtime.drafters if not d.startswith(("eagle", "medusa")) or d.startswith(kind)]
+    from eval.run import HEAD_DRAFTERS
+    from train.kinds import head_kind
+
+    own = head_kind(job.heads).drafters  # head drafters of other kinds would only be skipped with a warning
+    wanted = [d for d in runtime.drafters if d not in HEAD_DRAFTERS or d in own]
     report = evaluate(target, [p["prompt_ids"] for p in prompts[: runtime.num_prompts]], wanted, runtime,
                       head=head, head_config=head_config, out_dir=run_dir / "eval",
                       draft_vocab=_draft_vocab(runtime, prepared, target.vocab_size))

@@ -174,5 +174,5 @@ def test_held_out_counts_match_the_draft_loop_and_miss_outside_the_vocabulary(ta
     # a target token outside the draft vocabulary is a miss even in the top-5
     outside = int((~head.t2d[truths[0]]).sum())
     assert 0 < outside and counts[0, 1] <= counts[0, 2] - outside
-    metrics = summarize(counts, "eagle3")
+    metrics = summarize(counts, "step")
     assert set(metrics) >= {"eval/top1_step0", "eval/top5_step2", "eval/acceptance_length"}

@@ -1,0 +1,192 @@
+"""Head kinds: what differs between Medusa, EAGLE-1/2 (and later kinds) behind one small protocol.
+
+The training loop holds one `HeadKind` (from `head_kind(job.heads)`) and calls it; it never asks
+which kind it holds. A kind says
+- which target states it reads (`feature_layers`: indices into transformers' `hidden_states`,
+  FINAL for the final post-norm state); a `FeatureSource` built for those layers returns them
+  concatenated along the last dim, in that order;
+- how a fresh head is built from the target (`build`), which decoder layers of the target that
+  build reads (`init_layers`, for a target loaded in parts), and its optimizer groups;
+- an optional set-up on training data before the first step (`prepare`: EAGLE's ridge fit of fc);
+- one training step's loss and the figures it logs (`step`, `figures`);
+- held-out counts per drafted step or head (`eval_rows`, `eval_counts`), named by `unit`.
+A new kind is a class with these members, registered in KINDS.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Iterable, Protocol
+
+import torch
+from torch import nn
+
+from heads.config import EagleOptions, HeadsConfig, MedusaOptions
+from heads.eagle import EagleConfig, init_from_target as init_eagle, set_fc_by_ridge
+from heads.io import build_head
+from heads.medusa import MedusaConfig, init_from_target as init_medusa
+from train.evaluate import eagle_eval_counts, medusa_eval_counts
+from train.objectives import FINAL, FeatureSource, FrozenParts, eagle_step, medusa_step, ridge_sums
+
+log = logging.getLogger(__name__)
+
+Rates = dict[str, tuple[float, float]]  # figure name -> (hits, positions)
+
+
+class HeadKind(Protocol):
+    name: str  # the head type of heads.io ("eagle", "medusa"): checkpoints of this kind carry it
+    unit: str  # what eval rows count: "step" (a drafted chain's depth) or "head" (Medusa head k)
+    drafters: tuple[str, ...]  # the eval drafters that run this kind's heads
+
+    def feature_layers(self, num_layers: int) -> tuple[int, ...]:
+        """The target states the kind reads, for a target of `num_layers` decoder layers:
+        transformers `hidden_states` indices (i = the stream entering layer i), FINAL = the final
+        post-norm state. Sources return them concatenated on the last dim in this order."""
+
+    def init_layers(self) -> list[int]:
+        """Decoder layers of the target that `build` reads (shapes or weights)."""
+
+    def build(self, target) -> tuple[nn.Module, object]:
+        """A fresh head initialised from the target -> (head, head config)."""
+
+    def param_groups(self, head: nn.Module, learning_rate: float) -> list[dict]:
+        """AdamW parameter groups."""
+
+    def prepare(self, head: nn.Module, parts: FrozenParts, source: FeatureSource,
+                batches: Iterable[dict], world: int, reduce) -> None:
+        """Set-up of a fresh head on the first training batches (this process's share; `reduce`
+        sums tensors over processes). Not called on resume or trainer.init_from."""
+
+    def step(self, head: nn.Module, parts: FrozenParts, batch: dict, features: torch.Tensor,
+             chunk_size: int) -> dict:
+        """One micro-batch's loss: a dict with the differentiable `loss` and what `figures` reads."""
+
+    def figures(self, out: dict) -> tuple[dict[str, float], Rates]:
+        """A step's output -> (figures averaged over micro-steps, {name: (hits, positions)} summed
+        into rates); logged as train/<name>."""
+
+    @property
+    def eval_rows(self) -> int:
+        """Rows of `eval_counts`: drafted steps or heads."""
+
+    def eval_counts(self, head: nn.Module, parts: FrozenParts, batch: dict, features: torch.Tensor,
+                    truths: list | None) -> torch.Tensor:
+        """(eval_rows, 3) float [top-1 hits, top-5 hits, positions] on one held-out batch; `truths`
+        keeps the target's greedy tokens between evaluations of the same batch."""
+
+
+class EagleKind:
+    """EAGLE-1/2: reads the final post-norm state, predicts the next one."""
+
+    name, unit, drafters = "eagle", "step", ("eagle_tree", "eagle_chain")
+
+    def __init__(self, options: EagleOptions):
+        self.options = options
+
+    def feature_layers(self, num_layers: int) -> tuple[int, ...]:
+        return (FINAL,)
+
+    def loss_vocab_size(self, job) -> int:
+        size = self.options.loss_vocab_size
+        return job.runtime.draft_vocab_size if size is None else size
+
+    def init_layers(self) -> list[int]:
+        init = self.options.init_layer
+        return [0] + ([init] if init is not None else [])  # layer 0's shape, init_layer's weights
+
+    def build(self, target):
+        o = self.options
+        config = EagleConfig.from_target(target, fc_bias=o.fc_bias)
+        return init_eagle(build_head(config), target, o.init_layer, o.init_fc), config
+
+    def param_groups(self, head, learning_rate):
+        """One group, or with fc_learning_rate_scale != 1 two: fc at the scaled rate (a
+        ridge-fitted fc is a solution Adam's first, sign-like steps would scramble) and the rest."""
+        scale = self.options.fc_learning_rate_scale
+        if scale == 1.0:
+            return [{"params": list(head.parameters())}]
+        fc = [p for name, p in head.named_parameters() if name.startswith("fc.")]
+        rest = [p for name, p in head.named_parameters() if not name.startswith("fc.")]
+        return [{"params": fc, "lr": learning_rate * scale}, {"params": rest}]
+
+    def prepare(self, head, parts, source, batches, world, reduce):
+        """init_fc=ridge: fit fc on the first ~ridge_tokens counted positions of the training order
+        (the batches training starts with, so a memoized source computes them once)."""
+        o = self.options
+        if o.init_fc != "ridge":
+            return
+        gram, cross, count = ridge_sums(parts, batches, source, o.ridge_tokens // world)
+        count = int(reduce(torch.tensor(float(count), device=gram.device)).item())
+        set_fc_by_ridge(head, reduce(gram), reduce(cross), count, o.ridge_penalty)
+        log.info("fc initialised by ridge regression on %d positions", count)
+
+    def step(self, head, parts, batch, features, chunk_size):
+        return eagle_step(head, parts, batch, features, self.options, chunk_size)
+
+    def figures(self, out):
+        hits = out["hits"]
+        return ({"feature_loss": float(out["feature_loss"]), "logit_loss": float(out["logit_loss"])},
+                {"top1_step0": (float(hits.sum()), float(hits.numel()))})
+
+    @property
+    def eval_rows(self) -> int:
+        return self.options.eval_steps
+
+    def eval_counts(self, head, parts, batch, features, truths):
+        return eagle_eval_counts(head, parts, batch, features, self.options.eval_steps, truths)
+
+
+class MedusaKind:
+    """Medusa-1: K heads on the final post-norm state, head k predicting the token k+2 ahead."""
+
+    name, unit, drafters = "medusa", "head", ("medusa",)
+
+    def __init__(self, options: MedusaOptions):
+        self.options = options
+
+    def feature_layers(self, num_layers: int) -> tuple[int, ...]:
+        return (FINAL,)
+
+    def loss_vocab_size(self, job) -> int:
+        return 0
+
+    def init_layers(self) -> list[int]:
+        return []
+
+    def build(self, target):
+        o = self.options
+        config = MedusaConfig.from_target(target, num_heads=o.num_heads, num_layers=o.num_layers,
+                                          share_lm_head=o.share_lm_head)
+        return init_medusa(build_head(config), target), config
+
+    def param_groups(self, head, learning_rate):
+        return [{"params": list(head.parameters())}]
+
+    def prepare(self, head, parts, source, batches, world, reduce):
+        pass
+
+    def step(self, head, parts, batch, features, chunk_size):
+        return medusa_step(head, parts, batch, features, self.options, chunk_size)
+
+    def figures(self, out):
+        means, rates = {}, {}
+        for k, (loss, hits) in enumerate(zip(out["head_losses"], out["hits"])):
+            means[f"loss_head{k}"] = float(loss)
+            rates[f"top1_head{k}"] = (float(hits.sum()), float(hits.numel()))
+        return means, rates
+
+    @property
+    def eval_rows(self) -> int:
+        return self.options.num_heads
+
+    def eval_counts(self, head, parts, batch, features, truths):
+        return medusa_eval_counts(head, parts, batch, features, truths)
+
+
+KINDS = {"eagle": lambda heads: EagleKind(heads.eagle), "medusa": lambda heads: MedusaKind(heads.medusa)}
+
+
+def head_kind(heads: HeadsConfig) -> HeadKind:
+    """The kind object for heads.type."""
+    if heads.type not in KINDS:
+        raise ValueError(f"heads.type={heads.type!r} is not one of {sorted(KINDS)}")
+    return KINDS[heads.type](heads)
