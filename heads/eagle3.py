@@ -67,6 +67,10 @@ class Eagle3Config:
         L = target.num_layers
         values = dict(
             base,
+            # The engines' EAGLE-3 drafts are Llama layers: no q/k norm and no q/k/v bias, even
+            # behind a Qwen-style target that has them.
+            qkv_bias=False,
+            qk_norm=False,
             draft_vocab_size=min(draft_vocab_size or target.vocab_size, target.vocab_size),
             target_hidden_size=target.hidden_size,
             aux_layer_ids=list(aux_layer_ids) if aux_layer_ids else default_aux_layer_ids(L),
