@@ -18,10 +18,6 @@ ROOT = Path(__file__).resolve().parents[1]
 DOCS = sorted((ROOT / "docs").glob("*.md"))
 TOP_LEVEL = {p.name for p in ROOT.iterdir() if not p.name.startswith(".")} | {"docs"}
 JOB_OUTPUTS = ("runs/",)  # written by jobs, never in the repository
-# README.md is being rewritten: these are the files it cites today that do not exist (its commands
-# all compose).
-# Delete this allow-list with that rewrite; docs/ has none.
-README_ALLOWED_PATHS = {"FORMATS.md", "PERF-NOTES.md"}
 PLACEHOLDER = re.compile(r"<|>|\*|\{|\}|\bNNN|\b[A-Z][A-Z_]{2,}\b|\.\.\.")
 
 
@@ -53,12 +49,8 @@ def _commands(text: str, module: str) -> list[list[str]]:
 
 @pytest.mark.parametrize("doc", [*DOCS, ROOT / "README.md"], ids=lambda p: p.relative_to(ROOT).as_posix())
 def test_named_paths_exist(doc):
-    allowed = README_ALLOWED_PATHS if doc.name == "README.md" else set()
-    missing = sorted(p for p in _paths(doc.read_text()) if p not in allowed
-                     and not (ROOT / p).exists() and not (doc.parent / p).exists())
+    missing = sorted(p for p in _paths(doc.read_text()) if not (ROOT / p).exists() and not (doc.parent / p).exists())
     assert not missing, f"{doc.relative_to(ROOT)} names files that do not exist: {missing}"
-    if doc.name == "README.md":  # an allowed path that now exists no longer needs its exception
-        assert not {p for p in README_ALLOWED_PATHS if (ROOT / p).exists()}, "shrink README_ALLOWED_PATHS"
 
 
 @pytest.mark.parametrize("doc", [*DOCS, ROOT / "README.md"], ids=lambda p: p.relative_to(ROOT).as_posix())
