@@ -95,8 +95,8 @@ def build_methods(names: Sequence[str], runtime: RuntimeConfig, lean: LeanLlama,
     with a warning. Returns (methods, extra report fields). `progress`: bars over the calibrations."""
     names, methods, extra = list(names), [Method("plain", None)], {}
     if isinstance(head, Eagle3Head) and draft_vocab is not None:
-        log.warning("the EAGLE-3 head drafts over its own %d-token vocabulary (d2t); draft_vocab is not used",
-                    head.config.draft_vocab_size)
+        log.info("the EAGLE-3 head drafts over its own %d-token vocabulary (d2t); draft_vocab is not used",
+                 head.config.draft_vocab_size)
         draft_vocab = None
     gate = {"fallback": runtime.fallback}
     plain_seconds = _plain_seconds(lean, prompts) if runtime.fallback and set(names) & set(GATED_DRAFTERS) else 0.0
