@@ -369,3 +369,60 @@ def load_head_state(path: str, accelerator, model, optimizer) -> int:
     state = load_file(path)
     restore_head_state(accelerator, model, optimizer, state)
     return int(state["step"].item())
+
+
+# -- stages that run once per job ------------------------------------------------------------------
+# Eval and export need one process: eight evaluations of the same head measure nothing new, and
+# concurrent exports race on the output folder. Rank 0 runs them; the other ranks wait on a gloo
+# group whose deadline is long enough for a 70B evaluation (an NCCL barrier would time out after
+# the group's 30 minutes and hold a GPU stream while it waits).
+MAIN_ONLY_TIMEOUT_HOURS = 24
+
+
+class MainProcessFailed(RuntimeError):
+    """Rank 0 failed in a stage the other ranks were waiting for."""
+
+
+def _wait_group():
+    """(group, created): a gloo group over every process of the job, with a long deadline. Forms
+    the default group from torchrun's environment when no stage formed one (e.g. `stages=[eval]`)."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    timeout = timedelta(hours=MAIN_ONLY_TIMEOUT_HOURS)
+    if not dist.is_initialized():
+        dist.init_process_group(backend="gloo", timeout=timeout)
+        return None, True
+    return dist.new_group(backend="gloo", timeout=timeout), False
+
+
+def run_on_main_process(work, what: str = "stage"):
+    """`work()` on rank 0 only; every other rank waits, then returns rank 0's result. When rank 0
+    raises, it re-raises there and every other rank raises `MainProcessFailed`, so no rank hangs.
+    One process (no WORLD_SIZE > 1): just `work()`."""
+    if launched_world_size() <= 1:
+        return work()
+    import torch.distributed as dist
+
+    group, created = _wait_group()
+    try:
+        if dist.get_rank() == 0:
+            try:
+                result = work()
+            except BaseException as error:
+                dist.broadcast_object_list([{"error": f"{type(error).__name__}: {error}"}], src=0, group=group)
+                raise
+            dist.broadcast_object_list([{"result": result}], src=0, group=group)
+            return result
+        log.info("rank %d waits for rank 0's %s", dist.get_rank(), what)
+        message = [None]
+        dist.broadcast_object_list(message, src=0, group=group)
+        if "error" in message[0]:
+            raise MainProcessFailed(f"rank 0 failed in its {what}: {message[0]['error']}")
+        return message[0]["result"]
+    finally:
+        if created:
+            dist.destroy_process_group()
+        elif group is not None:
+            dist.destroy_process_group(group)

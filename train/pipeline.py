@@ -127,38 +127,51 @@ def run_job(job: JobConfig) -> dict:
     else:
         checkpoint = Path(job.trainer.init_from) if job.trainer.init_from else _latest_checkpoint(run_dir)
     if {"eval", "export"} & set(job.stages):
+        from train.distributed import run_on_main_process
+
         if checkpoint is None:
             raise FileNotFoundError(f"no trained head found under {run_dir} (run the train stage first)")
-        head, head_config = _load_for_eval(checkpoint, target)
+        stages = [s for s in ("eval", "export") if s in job.stages]
+        summary.update(run_on_main_process(
+            lambda: _eval_and_export(job, target, checkpoint, run_dir, prepared, {**earlier, **summary}),
+            what=" and ".join(stages)))
 
+    summary["wall_seconds"] = round(time.time() - started, 1)
+    if int(os.environ.get("RANK", "0")) == 0:
+        _write_json(run_dir / "job_summary.json", {**earlier, **summary})
+        print(_final_lines(summary))
+    return summary
+
+
+def _eval_and_export(job: JobConfig, target: FrozenTarget, checkpoint: Path, run_dir: Path, prepared,
+                     known: dict) -> dict:
+    """The eval and export stages (one process runs them: train.distributed.run_on_main_process);
+    returns their part of the summary. `known`: the summary so far, an earlier run's included."""
+    head, head_config = _load_for_eval(checkpoint, target)
+    summary: dict = {}
     if "eval" in job.stages:
-        with stage_run(job.logger if _main_process() else NO_LOGGER, run_dir, "eval") as run:
+        with stage_run(job.logger, run_dir, "eval") as run:
             declare_inputs(run, run_dir, ("checkpoint",))
             summary["eval"] = _evaluate(job, target, head, head_config, run_dir, prepared)
 
     if "export" in job.stages:
         from export.writer import export_all
 
-        known = {**earlier, **summary}  # an export-only re-run keeps the training run's figures
+        known = {**known, **summary}  # an export-only re-run keeps the training run's figures
         extra = {"training": _training_figures(known), "eval": _eval_figures(known)}
-        runtime = (summary.get("eval") or {}).get("recommended_runtime")
+        runtime = (known.get("eval") or {}).get("recommended_runtime")
         if runtime:
             extra["runtime"] = runtime
         out_root = Path(job.export.out) if job.export.out else run_dir / "export"
         paths = export_all(head, head_config, job.export.formats, out_root, target, job.export.dtype,
                            job.export.native_dtype, extra, job.export.strict_fingerprint, job.export.overwrite)
         summary["export"] = {fmt: str(path) for fmt, path in paths.items()}
-        with stage_run(job.logger if _main_process() else NO_LOGGER, run_dir, "export") as run:
+        with stage_run(job.logger, run_dir, "export") as run:
             for fmt, path in paths.items():
                 log.info("exported %s -> %s", fmt, path)
                 log_lineage_artifact(run, run_dir, f"export/{fmt}", f"{job.recipe}-{fmt}", "export",
                                      folders={fmt: path}, metadata={"format": fmt, "path": str(path)},
                                      inputs=("checkpoint",))
-
-    summary["wall_seconds"] = round(time.time() - started, 1)
-    if int(os.environ.get("RANK", "0")) == 0:
-        _write_json(run_dir / "job_summary.json", {**earlier, **summary})
-        print(_final_lines(summary))
     return summary
 
 
