@@ -5,7 +5,6 @@ tree size (`tree_total_tokens: auto`)."""
 from __future__ import annotations
 
 import logging
-import time
 from typing import Sequence
 
 import torch
@@ -17,6 +16,7 @@ from eval.generate import plain_generate
 from eval.medusa_trees import build_tree_from_accuracies, expected_acceptance, parse_choices
 from eval.model import LeanLlama
 from eval.sampling import SamplingConfig
+from eval.timing import device_clock, module_device
 from heads.medusa import MedusaHeads
 
 log = logging.getLogger(__name__)
@@ -34,11 +34,12 @@ def verify_costs(lean: LeanLlama, prompt: torch.Tensor, sizes: Sequence[int], re
     lean(prompt, cache, logits="none")
     cache.commit()
     times: dict[int, list[float]] = {n: [] for n in sizes}
+    clock = device_clock(module_device(lean))  # CUDA: the forward's kernels, not their launches
     for _ in range(repeats):
         for n in sizes:
-            start = time.perf_counter()
+            start = clock()
             lean(prompt[:1].repeat(n), cache)
-            times[n].append(time.perf_counter() - start)
+            times[n].append(clock() - start)
             cache.truncate(cache.length)
     return monotone_costs({n: sorted(t)[len(t) // 2] for n, t in times.items()})
 

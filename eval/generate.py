@@ -3,7 +3,6 @@ with any `Drafter`. Batch size 1."""
 from __future__ import annotations
 
 import functools
-import time
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -12,6 +11,7 @@ import torch
 from eval.drafters import Candidates, Drafter, DraftState
 from eval.model import LeanLlama
 from eval.sampling import SamplingConfig, pick, probabilities
+from eval.timing import device_clock, module_device
 from eval.tree import TreeLayout, build_tree, candidate_parents_to_tree
 from eval.verify import Verdict, verify_greedy, verify_sampled, verify_typical
 
@@ -81,13 +81,14 @@ def plain_generate(
     cache=None,
 ) -> GenerationResult:
     """Greedy or sampled decoding, one target forward per token. prompt_ids: (T,) int64."""
-    start = time.perf_counter()
+    clock = device_clock(module_device(model))
+    start = clock()
     cache = cache if cache is not None else model.new_cache()
     eos = set(eos_token_ids)
     logits = _prefill(model, prompt_ids, cache).logits[-1]
     token = pick(logits, sampling, generator)
     tokens = [token]
-    prefill_time = time.perf_counter() - start
+    prefill_time = clock() - start
     step_input = torch.empty(1, dtype=torch.long)
     while len(tokens) < max_new_tokens and token not in eos:
         step_input[0] = token
@@ -95,7 +96,7 @@ def plain_generate(
         cache.commit()
         token = pick(logits, sampling, generator)
         tokens.append(token)
-    return GenerationResult(_finish(tokens, max_new_tokens, eos), prefill_time, time.perf_counter() - start)
+    return GenerationResult(_finish(tokens, max_new_tokens, eos), prefill_time, clock() - start)
 
 
 def _verify(tree: TreeLayout, tokens: list[int], logits: torch.Tensor, candidates: Candidates,
@@ -129,7 +130,8 @@ def speculative_generate(
     "typical" (Medusa typical acceptance, LOSSY; only differs when sampling)."""
     if verification not in VERIFICATIONS:
         raise ValueError(f"verification must be one of {VERIFICATIONS}, got {verification!r}")
-    start = time.perf_counter()
+    clock = device_clock(module_device(model))
+    start = clock()
     cache = cache if cache is not None else model.new_cache()
     eos = set(eos_token_ids)
     layers = tuple(drafter.feature_layers)
@@ -142,12 +144,12 @@ def speculative_generate(
     buffer[prompt_ids.shape[0]] = token
     length = prompt_ids.shape[0] + 1
     state = DraftState(buffer[:length], length - 1, out.hidden, num_layers, sampling, generator)
-    result = GenerationResult([token], prefill_time=time.perf_counter() - start)
+    result = GenerationResult([token], prefill_time=clock() - start)
     done = token in eos
     while len(result.tokens) < max_new_tokens and not done:
-        t0 = time.perf_counter()
+        t0 = clock()
         candidates = drafter.propose(state)
-        t1 = time.perf_counter()
+        t1 = clock()
         root = int(buffer[length - 1])
         tokens = [root] + candidates.tokens.tolist()
         tree, is_chain = _tree(tuple(candidates.parents.tolist()))
@@ -167,9 +169,9 @@ def speculative_generate(
         index = torch.tensor(path)
         state = DraftState(buffer[:length], length - 1, {k: v[index] for k, v in out.hidden.items()},
                            num_layers, sampling, generator, state.step + 1)
-        t2 = time.perf_counter()
+        t2 = clock()
         drafter.accept(state, [i - 1 for i in verdict.accepted])
-        t3 = time.perf_counter()
+        t3 = clock()
         result.tokens.extend(new_tokens)
         done = bool(eos.intersection(new_tokens))
         result.accepted.append(len(verdict.accepted))
@@ -177,5 +179,5 @@ def speculative_generate(
         result.draft_times.append((t1 - t0) + (t3 - t2))
         result.verify_times.append(t2 - t1)
     result.tokens = _finish(result.tokens, max_new_tokens, eos)
-    result.total_time = time.perf_counter() - start
+    result.total_time = clock() - start
     return result

@@ -24,6 +24,7 @@ from eval.generate import GenerationResult, plain_generate, speculative_generate
 from eval.model import LeanLlama
 from eval.report import write_report
 from eval.sampling import SamplingConfig
+from eval.timing import device_clock, measured_on, module_device
 from heads.eagle import EagleHead
 from heads.eagle3 import Eagle3Head
 from heads.medusa import MedusaHeads
@@ -68,11 +69,21 @@ def _plain_seconds(lean: LeanLlama, prompts) -> float:
     return verify_costs(lean, prompt, (1,))[1]
 
 
-def _gated(build: Callable[[], Drafter], runtime: RuntimeConfig, plain_seconds: float,
+def _gated(build: Callable[[], Drafter], runtime: RuntimeConfig, plain_seconds: float, lean: LeanLlama,
            initial_tau: float = 2.0) -> Callable[[], Drafter]:
     if not runtime.fallback:
         return build
-    return lambda: FallbackDrafter(build(), SpeculationGate(plain_seconds, initial_tau, runtime.fallback_probe_every))
+    clock = device_clock(module_device(lean))  # the gate compares step times: on CUDA they must include the work
+    return lambda: FallbackDrafter(build(), SpeculationGate(plain_seconds, initial_tau, runtime.fallback_probe_every),
+                                   clock)
+
+
+def measured_verify_cost(lean: LeanLlama, prompts, max_gamma: int) -> tuple[float, ...]:
+    """DynamicGamma's verify_cost measured here: a target forward over gamma + 1 tokens in plain
+    decode steps, gamma = 0..max_gamma."""
+    prompt = prompts[0] if len(prompts) else torch.zeros(1, dtype=torch.long)
+    costs = verify_costs(lean, prompt, tuple(range(1, max_gamma + 2)))
+    return tuple(costs[n] / costs[1] for n in sorted(costs))
 
 
 def frequent_token_ids(token_lists: Sequence[Sequence[int]], size: int) -> torch.Tensor:
@@ -113,16 +124,21 @@ def build_methods(names: Sequence[str], runtime: RuntimeConfig, lean: LeanLlama,
             vocab = {"draft_vocab": head.config.draft_vocab_size}
         if name == "prompt_lookup":
             methods.append(Method(name, _gated(lambda: PromptLookupDrafter(runtime.prompt_lookup_tokens), runtime,
-                                               plain_seconds),
+                                               plain_seconds, lean),
                                   settings={"num_draft": runtime.prompt_lookup_tokens, **gate}))
         elif name in ("self_speculation", "draft_model"):
             layers = runtime.draft_layers or max(1, lean.config.num_layers // 4)
             cost = _draft_cost(lean, layers)
+            if "verify_cost" not in extra:  # one curve for both chain drafters, measured on this machine
+                extra["verify_cost"] = list(measured_verify_cost(lean, prompts, DynamicGamma.max_gamma))
+            curve = extra["verify_cost"]
             methods.append(Method(name, lambda layers=layers, cost=cost: self_speculation_drafter(
-                lean, layers, DynamicGamma(draft_cost=cost)), settings={"draft_layers": layers, "draft_cost": round(cost, 3)}))
+                lean, layers, DynamicGamma(draft_cost=cost, verify_cost=curve)),
+                settings={"draft_layers": layers, "draft_cost": round(cost, 3),
+                          "verify_cost": [round(c, 3) for c in curve]}))
         elif name == "eagle_chain":
             methods.append(Method(name, _gated(lambda: _eagle(head, lean, "chain", runtime, 2, draft_vocab), runtime,
-                                               plain_seconds),
+                                               plain_seconds, lean),
                                   settings={"depth": runtime.chain_depth, **vocab, **gate}))
         elif name == "eagle_tree":
             tree, initial_tau = {"top_k": runtime.tree_top_k, "depth": runtime.tree_depth, **vocab}, 2.0
@@ -133,7 +149,7 @@ def build_methods(names: Sequence[str], runtime: RuntimeConfig, lean: LeanLlama,
                 initial_tau = extra["eagle_tree_budget"]["expected_tau_by_size"][total]
                 tree["total_tokens_auto"] = True
             methods.append(Method(name, _gated(lambda total=total: _eagle(head, lean, "tree", runtime, total, draft_vocab),
-                                               runtime, plain_seconds, initial_tau),
+                                               runtime, plain_seconds, lean, initial_tau),
                                   settings={**tree, "total_tokens": total, **gate}))
             tree.pop("total_tokens_auto", None)
             for size in runtime.tree_sweep:
@@ -146,7 +162,7 @@ def build_methods(names: Sequence[str], runtime: RuntimeConfig, lean: LeanLlama,
             extra["medusa"] = {"choices": [list(c) for c in choices], **calibration}
             verification = "typical" if runtime.typical_acceptance else "lossless"
             methods.append(Method(name, _gated(lambda choices=choices: MedusaDrafter(head, lean, choices, draft_vocab),
-                                               runtime, plain_seconds),
+                                               runtime, plain_seconds, lean),
                                   verification, settings={"tree_nodes": len(choices), "choices": runtime.medusa_choices,
                                                           **vocab, **gate}))
     return methods, extra
@@ -155,13 +171,13 @@ def build_methods(names: Sequence[str], runtime: RuntimeConfig, lean: LeanLlama,
 class _Clock:
     """A transformers streamer that timestamps the first generated token (the end of prefill)."""
 
-    def __init__(self):
-        self.calls, self.first_token = 0, None
+    def __init__(self, now: Callable[[], float]):
+        self.now, self.calls, self.first_token = now, 0, None
 
     def put(self, value):
         self.calls += 1
         if self.calls == 2:
-            self.first_token = time.perf_counter()
+            self.first_token = self.now()
 
     def end(self):
         pass
@@ -171,14 +187,15 @@ class _Clock:
 def transformers_generate(model, prompt: torch.Tensor, max_new_tokens: int, sampling: SamplingConfig,
                           eos: Sequence[int]) -> GenerationResult:
     """transformers' `generate` on the same prompt, timed like the lean loops."""
-    clock = _Clock()
+    now = device_clock(module_device(model))
+    clock = _Clock(now)
     options = dict(do_sample=False) if sampling.greedy else dict(
         do_sample=True, temperature=sampling.temperature, top_k=sampling.top_k or None, top_p=sampling.top_p)
-    start = time.perf_counter()
+    start = now()
     out = model.generate(prompt[None], attention_mask=torch.ones_like(prompt)[None], max_new_tokens=max_new_tokens,
                          min_new_tokens=0, eos_token_id=list(eos) or None, pad_token_id=(list(eos) or [0])[0],
                          streamer=clock, **options)
-    end = time.perf_counter()
+    end = now()
     tokens = out[0, prompt.shape[0]:].tolist()
     prefill = (clock.first_token or end) - start
     return GenerationResult(tokens, prefill_time=prefill, total_time=end - start)
@@ -307,6 +324,7 @@ def _assemble(methods: list[Method], summaries: dict, runtime: RuntimeConfig, ta
         baselines["transformers"] = summaries["transformers"]
         baselines["plain"]["speedup_vs_transformers"] = plain / hf if hf else None
     fingerprint = target.fingerprint() if hasattr(target, "fingerprint") else {}
+    where = measured_on(getattr(target, "device", None))
     report = {
         "target": getattr(target, "name", "?"),
         "target_fingerprint": fingerprint.get("id") if isinstance(fingerprint, dict) else None,
@@ -330,7 +348,8 @@ def _assemble(methods: list[Method], summaries: dict, runtime: RuntimeConfig, ta
         ],
         "baselines": baselines,
         "drafters": rows,
-        "recommended_runtime": _recommended(rows, runtime, extra),
+        "measured_on": where,
+        "recommended_runtime": _recommended(rows, runtime, extra, where),
         **extra,
     }
     return report
@@ -342,13 +361,17 @@ def _plain(config) -> dict:
     return values
 
 
-def _recommended(rows: list[dict], runtime: RuntimeConfig, extra: dict) -> dict:
-    """Eval's measured settings in the keys `export` carries into manifests."""
+def _recommended(rows: list[dict], runtime: RuntimeConfig, extra: dict, where: dict) -> dict:
+    """Eval's settings in the keys `export` carries into manifests; `measured` names those chosen
+    from this run's timings (the rest are configured), `measured_on` the hardware that timed them."""
     trees = [r for r in rows if r["name"].startswith("eagle_tree")]
     if trees:
         best = max(trees, key=lambda r: r["tokens_per_second"])
+        chosen = len(trees) > 1 or best["settings"].get("total_tokens_auto", False)
         return {"top_k": runtime.tree_top_k, "depth": runtime.tree_depth,
-                "total_tokens": best["settings"]["total_tokens"], "chain_depth": runtime.chain_depth}
+                "total_tokens": best["settings"]["total_tokens"], "chain_depth": runtime.chain_depth,
+                "measured": ["total_tokens"] if chosen else [], "measured_on": where}
     if "medusa" in extra:
-        return {"medusa_choices": extra["medusa"]["choices"]}
+        return {"medusa_choices": extra["medusa"]["choices"],
+                "measured": ["medusa_choices"] if runtime.medusa_choices == "auto" else [], "measured_on": where}
     return {}

@@ -19,7 +19,6 @@ import argparse
 import json
 import os
 import statistics
-import time
 
 PROMPTS = [
     "The history of the Roman Empire can be summarised as follows:",
@@ -40,8 +39,10 @@ def _random_tree(n: int, generator):
 
 def bench_plain(target, models: dict, prompts, new_tokens: int, reps: int) -> dict:
     from eval.generate import plain_generate
+    from eval.timing import device_clock, module_device
 
     hf = target.model
+    clock = device_clock(module_device(hf))  # CUDA: synchronised readings
     hf.generation_config.pad_token_id = hf.generation_config.pad_token_id or target.tokenizer.eos_token_id
     eos = hf.generation_config.eos_token_id
     eos = [eos] if isinstance(eos, int) else list(eos or [])
@@ -51,14 +52,14 @@ def bench_plain(target, models: dict, prompts, new_tokens: int, reps: int) -> di
     for _ in range(reps):
         for ids in prompts:
             for name in times:  # interleaved: every variant sees the same machine load
-                start = time.perf_counter()
+                start = clock()
                 if name == "transformers":
                     out = hf.generate(ids[None], max_new_tokens=new_tokens, do_sample=False)[0, ids.shape[0]:].tolist()
                 else:
                     result = plain_generate(models[name], ids, new_tokens, eos_token_ids=eos)
                     out = result.tokens
                     decode_ms[name].append(1e3 * result.decode_time / max(len(out) - 1, 1))
-                times[name].append((time.perf_counter() - start, len(out)))
+                times[name].append((clock() - start, len(out)))
                 tokens_out[name].append(out)
     report = {}
     for name, runs in times.items():
@@ -75,6 +76,8 @@ def bench_plain(target, models: dict, prompts, new_tokens: int, reps: int) -> di
 def bench_curve(models: dict, context_ids, reps: int) -> dict:
     import torch
 
+    from eval.timing import device_clock, module_device
+
     generator = torch.Generator().manual_seed(0)
     trees = {n: _random_tree(n, generator) for n in CURVE_SIZES}
     caches = {}
@@ -88,10 +91,11 @@ def bench_curve(models: dict, context_ids, reps: int) -> dict:
         for n in CURVE_SIZES:
             for name, model in models.items():
                 tree, cache = trees[n], caches[name]
-                start = time.perf_counter()
+                clock = device_clock(module_device(model))
+                start = clock()
                 model(tokens[:n], cache, positions=cache.length + tree.depths,
                       tree_mask=None if n == 1 else tree.mask, tree_bits=tree.bits)
-                best[name][n] = min(best[name][n], time.perf_counter() - start)
+                best[name][n] = min(best[name][n], clock() - start)
                 cache.compact([])
     return {name: {n: {"ms": 1e3 * t, "relative": t / row[1]} for n, t in row.items()} for name, row in best.items()}
 

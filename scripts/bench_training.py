@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from eval.timing import device_clock  # noqa: E402
 from heads.config import EagleOptions, MedusaOptions  # noqa: E402
 from heads.eagle import EagleConfig, init_from_target as init_eagle  # noqa: E402
 from heads.io import build_head  # noqa: E402
@@ -71,11 +71,12 @@ def main() -> None:
         "medusa train step": (medusa, medusa_step, MedusaOptions()),
     }
     optimizers = {name: torch.optim.AdamW(v[0].parameters(), lr=1e-4) for name, v in variants.items() if v}
+    clock = device_clock(target.device)  # CUDA: synchronised readings
     seconds = dict.fromkeys(variants, 0.0)
     tokens = dict.fromkeys(variants, 0)
     for round_index in range(args.rounds + 1):  # round 0 warms up and is not counted
         for name, variant in variants.items():
-            started = time.perf_counter()
+            started = clock()
             for batch in batches:
                 features = source(batch)
                 if variant is not None:
@@ -86,7 +87,7 @@ def main() -> None:
                 if round_index:
                     tokens[name] += int(batch["attention_mask"].sum())
             if round_index:
-                seconds[name] += time.perf_counter() - started
+                seconds[name] += clock() - started
     print(f"threads={torch.get_num_threads()} batch_size={args.batch_size} length<={args.length} "
           f"batches={len(batches)} rounds={args.rounds} (shared machines: compare within one run)")
     base = tokens["target forward"] / seconds["target forward"]
