@@ -47,9 +47,12 @@ def _measured_runtime(manifest: dict) -> dict | None:
         return runtime
     if runtime["source"] != "measured":
         return None
+    # where each value came from travels with it: a configured value stays configured
+    provenance = {"measured": [key for key, kind in (runtime.get("sources") or {}).items() if kind == "measured"],
+                  "measured_on": runtime.get("measured_on")} if "sources" in runtime else {}
     if "medusa_choices" in runtime:
-        return {"medusa_choices": runtime["medusa_choices"]}
-    return {**runtime["tree"], "chain_depth": runtime["chain_depth"]}
+        return {"medusa_choices": runtime["medusa_choices"], **provenance}
+    return {**runtime["tree"], "chain_depth": runtime["chain_depth"], **provenance}
 
 
 def run_export(cfg: ExportConfig) -> dict[str, Path]:

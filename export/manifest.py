@@ -85,25 +85,60 @@ def feature_convention(kind: str, num_layers: int, config=None, fmt: Format | No
     }
 
 
+# Which of eval's settings come from its timings; the others are copied from its configuration.
+# Records without a "measured" list (older checkpoints) are read with this default.
+_TIMED = ("total_tokens", "medusa_choices")
+
+
+def _provenance(runtime: dict, keys: tuple[str, ...]) -> tuple[dict, str, dict | None]:
+    """(per-key source, overall source, measured_on) of eval's runtime record: "measured" (chosen
+    from timings), "configured" (a config value eval ran with) or "default (not measured)"."""
+    timed = set(runtime.get("measured", _TIMED))
+    sources = {key: ("default (not measured)" if key not in runtime else
+                     "measured" if key in timed else "configured") for key in keys}
+    overall = next((kind for kind in ("measured", "configured") if kind in sources.values()), "default (not measured)")
+    where = runtime.get("measured_on") if overall == "measured" else None
+    if overall == "measured" and not where:
+        where = {"device_type": "unknown", "hardware": "not recorded"}
+    return sources, overall, where
+
+
+def serving_advice(where: dict | None) -> str:
+    """What the engine settings are worth on a GPU server, given where they were measured."""
+    if where is None:
+        return "no setting was measured: defaults or configured values; tune on the serving GPU"
+    if where.get("device_type") == "cuda":
+        return f"measured on {where['hardware']}; re-measure on a different GPU or engine before relying on them"
+    return (f"measured on {where['hardware']} ({where.get('device_type', 'unknown')}): NOT GPU serving advice. "
+            "Which tree pays depends on the device; run `python -m eval head=THIS_FOLDER` on the serving GPU "
+            "to choose the engine settings")
+
+
 def recommended_runtime(config, runtime: dict | None) -> dict:
     """Runtime settings for the head plus each engine's flag values for them. `runtime` holds what
-    eval measured (eagle: top_k, depth, total_tokens, chain_depth; medusa: medusa_choices)."""
+    eval ran with (eagle: top_k, depth, total_tokens, chain_depth; medusa: medusa_choices), which
+    of them it chose from timings (`measured`) and on what hardware (`measured_on`). Each setting
+    is labelled measured / configured / default, and the engine flags carry the hardware."""
     runtime = dict(runtime or {})
     if head_type(config) in ("eagle", "eagle3"):
         values = {key: int(runtime.get(key, default)) for key, default in _EAGLE_DEFAULTS.items()}
-        source = "measured" if any(key in runtime for key in _EAGLE_DEFAULTS) else "default (not measured)"
+        sources, source, where = _provenance(runtime, tuple(_EAGLE_DEFAULTS))
         return {
             "tree": {key: values[key] for key in ("top_k", "depth", "total_tokens")},
-            "chain_depth": values["chain_depth"], "source": source,
+            "chain_depth": values["chain_depth"], "source": source, "sources": sources,
+            "measured_on": where, "gpu_serving_advice": bool(where and where.get("device_type") == "cuda"),
+            "advice": serving_advice(where),
             "sglang": {"speculative_num_steps": values["depth"], "speculative_eagle_topk": values["top_k"],
                        "speculative_num_draft_tokens": values["total_tokens"]},
             "vllm": {"num_speculative_tokens": values["chain_depth"]},
         }
+    sources, source, where = _provenance(runtime, ("medusa_choices",))
     choices = runtime.get("medusa_choices")
-    source = "measured" if choices else "default (not measured)"
     choices = [list(path) for path in choices] if choices else default_choices(config.num_heads)
     return {
-        "medusa_choices": choices, "source": source,
+        "medusa_choices": choices, "source": source, "sources": sources,
+        "measured_on": where, "gpu_serving_advice": bool(where and where.get("device_type") == "cuda"),
+        "advice": serving_advice(where),
         "tensorrt_llm": {"num_medusa_heads": config.num_heads, "max_draft_len": len(choices)},
     }
 
@@ -205,6 +240,14 @@ def _table(values: dict | None) -> str:
     return "| figure | value |\n| --- | --- |\n" + "\n".join(rows) + "\n"
 
 
+def _settings_lines(runtime: dict) -> str:
+    shown = {k: v for k, v in runtime.items() if k in ("tree", "chain_depth", "medusa_choices", "sglang", "vllm",
+                                                        "tensorrt_llm")}
+    sources = ", ".join(f"{key} {kind}" for key, kind in (runtime.get("sources") or {}).items())
+    return (f"Recommended settings ({sources or runtime.get('source')}): `{json.dumps(shown)}`\n\n"
+            f"Where they come from: {runtime.get('advice', runtime.get('source'))}.")
+
+
 def model_card(manifest: dict) -> str:
     """A hub-pushable README.md for the export folder."""
     kind, fmt, base = manifest["head_type"], manifest["format"], manifest["base_model"]
@@ -229,7 +272,7 @@ A speculative-decoding draft head trained by specheads on the frozen target `{ba
 {serve_command(manifest)}
 ```
 
-Recommended settings, {manifest['runtime']['source']}: `{json.dumps({k: v for k, v in manifest['runtime'].items() if k != 'source'})}`
+{_settings_lines(manifest['runtime'])}
 
 ## Base model
 

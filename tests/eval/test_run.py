@@ -41,6 +41,7 @@ def test_evaluate_eagle_end_to_end(target, tmp_path):
         assert row["break_even_tau"] > row["verify_cost_in_plain_steps"]
     assert report["baselines"]["transformers"]["tokens_per_second"] > 0
     assert report["recommended_runtime"]["total_tokens"] in (4, 6, 8)
+    assert report["recommended_runtime"]["measured"] == ["total_tokens"]  # chosen from the sweep's timings
     saved = json.loads((tmp_path / "report.json").read_text())
     assert saved["drafters"][0]["name"] == "eagle_tree"
     assert "bonus token INCLUDED" in (tmp_path / "report.md").read_text()
@@ -60,7 +61,9 @@ def test_evaluate_medusa_with_auto_tree_and_lossy_typical(target, tmp_path):
     assert len(report["medusa"]["choices"]) in (4, 8, 16, 32, 64)
     assert set(report["medusa"]["tokens_per_plain_step_by_size"]) == {4, 8, 16, 32, 64}
     assert "typical (LOSSY)" in (tmp_path / "report.md").read_text()
-    assert report["recommended_runtime"] == {"medusa_choices": report["medusa"]["choices"]}
+    assert report["recommended_runtime"] == {"medusa_choices": report["medusa"]["choices"], "measured": ["medusa_choices"],
+                                             "measured_on": report["measured_on"]}  # the tree was chosen by timing
+    assert report["measured_on"]["device_type"] == "cpu" and report["measured_on"]["hardware"].startswith("CPU")
 
 
 def test_head_drafters_are_skipped_without_a_head(target):
