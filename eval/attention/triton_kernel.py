@@ -87,8 +87,9 @@ def triton_tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pre
 
 def benchmark(tree_sizes=(16, 32, 64), contexts=(512, 2048, 8192), heads: int = 32, kv_heads: int = 8,
               head_dim: int = 128, dtype: torch.dtype = torch.bfloat16) -> list[dict]:
-    """GPU micro-benchmark: kernel vs reference (SDPA with a boolean mask), microseconds per call,
-    on random trees; returns and prints one row per (tree size, context)."""
+    """GPU micro-benchmark: kernel vs reference (SDPA with a dense boolean tree mask): their max
+    absolute difference and microseconds per call (do_bench synchronises), on random trees;
+    returns and prints one row per (tree size, context)."""
     from triton.testing import do_bench
 
     from eval.attention.reference import reference_tree_attention
@@ -104,10 +105,12 @@ def benchmark(tree_sizes=(16, 32, 64), contexts=(512, 2048, 8192), heads: int = 
             q = torch.randn(heads, n, head_dim, device="cuda", dtype=dtype)
             k = torch.randn(kv_heads, context + n, head_dim, device="cuda", dtype=dtype)
             v = torch.randn_like(k)
+            difference = (triton_tree_attention(q, k, v, context, bits).float()
+                          - reference_tree_attention(q, k, v, context, mask).float()).abs().max().item()
             kernel_us = 1e3 * do_bench(lambda: triton_tree_attention(q, k, v, context, bits))
             reference_us = 1e3 * do_bench(lambda: reference_tree_attention(q, k, v, context, mask))
-            rows.append(dict(tree_size=n, context=context, triton_us=kernel_us, reference_us=reference_us,
-                             speedup=reference_us / kernel_us))
+            rows.append(dict(tree_size=n, context=context, dtype=str(dtype), max_abs_diff=difference,
+                             triton_us=kernel_us, reference_us=reference_us, speedup=reference_us / kernel_us))
             print(f"N={n:3d} context={context:5d}  triton {kernel_us:8.1f} us  reference {reference_us:8.1f} us"
                   f"  x{reference_us / kernel_us:.2f}")
     return rows
