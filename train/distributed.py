@@ -384,8 +384,9 @@ class MainProcessFailed(RuntimeError):
 
 
 def _wait_group():
-    """(group, created): a gloo group over every process of the job, with a long deadline. Forms
-    the default group from torchrun's environment when no stage formed one (e.g. `stages=[eval]`)."""
+    """A gloo group over every process of the job, with a long deadline. Forms the default group
+    from torchrun's environment when no stage formed one (e.g. `stages=[eval]`); it then stays for
+    the life of the process (forming it again on the same port can race with a slower rank)."""
     from datetime import timedelta
 
     import torch.distributed as dist
@@ -393,8 +394,7 @@ def _wait_group():
     timeout = timedelta(hours=MAIN_ONLY_TIMEOUT_HOURS)
     if not dist.is_initialized():
         dist.init_process_group(backend="gloo", timeout=timeout)
-        return None, True
-    return dist.new_group(backend="gloo", timeout=timeout), False
+    return dist.new_group(backend="gloo", timeout=timeout)
 
 
 def run_on_main_process(work, what: str = "stage"):
@@ -405,7 +405,7 @@ def run_on_main_process(work, what: str = "stage"):
         return work()
     import torch.distributed as dist
 
-    group, created = _wait_group()
+    group = _wait_group()
     try:
         if dist.get_rank() == 0:
             try:
@@ -422,7 +422,4 @@ def run_on_main_process(work, what: str = "stage"):
             raise MainProcessFailed(f"rank 0 failed in its {what}: {message[0]['error']}")
         return message[0]["result"]
     finally:
-        if created:
-            dist.destroy_process_group()
-        elif group is not None:
-            dist.destroy_process_group(group)
+        dist.destroy_process_group(group)
