@@ -75,6 +75,10 @@ def save_checkpoint(root: str | os.PathLike, step: int, head, head_config, optim
             "check the data, then resume from it.")
     root.mkdir(parents=True, exist_ok=True)
     final = root / checkpoint_name(step)
+    theirs, ours = run_id(read_state(final)), (trainer_state.get(RUN_KEY) or {}).get("id")
+    if final.exists() and theirs is not None and ours is not None and theirs != ours:
+        raise CheckpointError(f"{final} holds another run's checkpoint ({theirs}); not replaced. Use a new "
+                              "trainer.output_dir for this run")
     tmp = root / f".tmp-{final.name}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()

@@ -114,3 +114,13 @@ def test_non_finite_weights_are_not_checkpointed(tmp_path, target):
     with pytest.raises(TrainingDiverged, match=r"non-finite weights after step 3 \(\['fc.weight'\]\).*step-00000002"):
         save_checkpoint(tmp_path, 3, head, head.config, {}, {}, [], {"run": {"id": "r1"}})
     assert [p.name for p in tmp_path.iterdir()] == ["step-00000002"]
+
+
+def test_saving_never_replaces_another_runs_checkpoint(tmp_path, target):
+    from train.checkpoint import CheckpointError
+
+    _save(tmp_path, 4, target, {"run": {"id": "first"}})
+    with pytest.raises(CheckpointError, match="holds another run's checkpoint"):
+        _save(tmp_path, 4, target, {"run": {"id": "second"}})
+    assert read_state(tmp_path / "step-00000004")["run"]["id"] == "first"
+    _save(tmp_path, 4, target, {"run": {"id": "first"}})  # the same run re-saves a step after a resume
