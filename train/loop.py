@@ -168,6 +168,10 @@ def train_heads(job, target, data, source: FeatureSource | None = None, accelera
 
     def save(step: int, eval_metrics: dict | None) -> Path | None:
         nonlocal last_saved
+        # every process agrees before any writes: non-finite weights are not checkpointed (each
+        # process checks what it holds, a ZeRO-3 slice or the whole head)
+        finite = all(bool(torch.isfinite(p).all()) for p in head.parameters())
+        _check_finite(reduce, torch.tensor(0.0 if finite else math.inf, device=device), step - 1, "weights", last_saved)
         rngs = gather_object([rng_state()]) if world > 1 else [rng_state()]
         optimizer_state = gather_head_state(accelerator, head, optimizer)  # collective under ZeRO
         path = None

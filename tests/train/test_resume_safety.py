@@ -8,6 +8,7 @@ import logging
 from pathlib import Path
 
 import pytest
+import torch
 
 from train.checkpoint import CheckpointError, list_checkpoints, prune_checkpoints, read_state, run_id
 from train.loop import train_heads
@@ -101,3 +102,25 @@ def test_damaged_newest_checkpoint_falls_back_with_a_warning(tmp_path, target, c
     resumed = _metrics(run)
     for step in range(5, 9):  # retrained from step 4, exactly as the first time
         assert resumed[step] == pytest.approx(reference[step], rel=1e-6, abs=1e-7)
+
+
+def test_non_finite_weights_stop_training_before_they_are_saved(tmp_path, target, monkeypatch):
+    """A finite loss and gradient can still leave infinite weights (an optimizer overflow): the
+    checkpoint is not written, and the error names the last good one."""
+    from train.checkpoint import TrainingDiverged
+
+    real_step = torch.optim.AdamW.step
+
+    def overflowing_step(self, *args, **kwargs):
+        result = real_step(self, *args, **kwargs)
+        if self._step_count_for_test == 3:
+            with torch.no_grad():
+                self.param_groups[0]["params"][0].fill_(float("inf"))
+        self._step_count_for_test += 1
+        return result
+
+    monkeypatch.setattr(torch.optim.AdamW, "_step_count_for_test", 0, raising=False)
+    monkeypatch.setattr(torch.optim.AdamW, "step", overflowing_step)
+    with pytest.raises(TrainingDiverged, match=r"non-finite weights at step 4.*step-00000002"):
+        train_heads(_quick(tmp_path, max_steps=6), target, tiny_data())
+    assert [p.name for _, p in list_checkpoints(tmp_path / "checkpoints")] == ["step-00000002"]
