@@ -16,11 +16,13 @@ import argparse
 import json
 import os
 import re
+import time
 from pathlib import Path
 
 BEGIN, END = "<!-- results:begin -->", "<!-- results:end -->"
+HEAD_DRAFTERS = ("eagle", "medusa")  # drafters that run the trained head (the others: prompt lookup, draft models)
 COLUMNS = ["recipe", "training steps", "held-out top-1 (first step / head)", "held-out τ est.",
-           "best speculative method: τ, vs plain", "job minutes", "hardware", "run folder"]
+           "best speculative method: τ, vs plain", "job minutes", "hardware (date)", "run folder"]
 
 
 def _read(path: Path) -> dict | None:
@@ -44,16 +46,24 @@ def run_figures(run_dir: Path) -> dict | None:
     top1 = [held_out[k] for k in sorted((k for k in held_out if k.startswith("eval/top1_")),
                                         key=lambda k: int(re.search(r"(\d+)$", k).group(1)))]
     methods = [row for row in report.get("drafters", []) if not row.get("sweep")]
-    best = max(methods, key=lambda row: row.get("speedup_vs_plain") or 0.0, default=None)
+    best, own = _fastest(methods), _fastest([row for row in methods if row["name"].startswith(HEAD_DRAFTERS)])
     return {
         "recipe": summary.get("recipe") or train.get("recipe") or run_dir.name,
         "run": str(run_dir), "written": max(p.stat().st_mtime for p in sources),
         "steps": train.get("steps"), "stopped": train.get("stopped"),
         "top1": top1[0] if top1 else None, "tau_estimate": held_out.get("eval/acceptance_length"),
-        "method": best and {"name": best["name"], "tau": best.get("tau"), "vs_plain": best.get("speedup_vs_plain")},
+        "method": _method(best), "head_method": _method(own),
         "minutes": summary["wall_seconds"] / 60 if "wall_seconds" in summary else None,
         "hardware": train.get("hardware") or summary.get("hardware"),
     }
+
+
+def _fastest(rows: list[dict]) -> dict | None:
+    return max(rows, key=lambda row: row.get("speedup_vs_plain") or 0.0, default=None)
+
+
+def _method(row: dict | None) -> dict | None:
+    return row and {"name": row["name"], "tau": row.get("tau"), "vs_plain": row.get("speedup_vs_plain")}
 
 
 def last_runs(roots: list[Path]) -> list[dict]:
@@ -72,18 +82,33 @@ def _number(value, digits: int = 3) -> str:
     return "–" if value is None else f"{value:.{digits}f}"
 
 
-def render(rows: list[dict]) -> str:
-    """The markdown table of `rows` (run_figures dicts)."""
+def _shown(method: dict | None) -> str:
+    return "–" if method is None else f"{method['name']}: {_number(method['tau'], 2)}, {_number(method['vs_plain'], 2)}x"
+
+
+def render(rows: list[dict], recipes: list[str] = ()) -> str:
+    """The markdown table of `rows` (run_figures dicts), plus a row for each of `recipes` that
+    has no run yet."""
     lines = ["| " + " | ".join(COLUMNS) + " |", "|" + " --- |" * len(COLUMNS)]
     for row in rows:
-        method = row["method"]
-        shown = "–" if method is None else \
-            f"{method['name']}: {_number(method['tau'], 2)}, {_number(method['vs_plain'], 2)}x"
+        shown = _shown(row["method"])
+        if row["head_method"] is not None and row["head_method"] != row["method"]:
+            shown += f" ({_shown(row['head_method'])})"  # the head's own drafter, when another was faster
         steps = "–" if row["steps"] is None else f"{row['steps']} ({row['stopped']})"
+        day = time.strftime("%Y-%m-%d", time.gmtime(row["written"]))
         lines.append("| " + " | ".join([
             row["recipe"], steps, _number(row["top1"]), _number(row["tau_estimate"]), shown,
-            _number(row["minutes"], 1), row["hardware"] or "–", f"`{row['run']}`"]) + " |")
+            _number(row["minutes"], 1), f"{row['hardware'] or '–'} ({day})", f"`{row['run']}`"]) + " |")
+    seen = {row["recipe"] for row in rows}
+    for recipe in recipes:
+        if recipe not in seen:
+            lines.append(f"| {recipe} | not yet measured |" + " – |" * (len(COLUMNS) - 2))
     return "\n".join(lines)
+
+
+def cpu_recipes(conf: Path) -> list[str]:
+    """The recipes on the embedded target (conf/recipe/*smollm2_135m*.yaml), sorted."""
+    return sorted(path.stem for path in conf.glob("*smollm2_135m*.yaml"))
 
 
 def replace_block(text: str, block: str, name: str = "the file") -> str:
@@ -110,12 +135,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", nargs="+", type=Path, default=[Path("runs")], help="roots holding run folders")
     parser.add_argument("--write", type=Path, help="markdown file whose marked block is rewritten")
+    parser.add_argument("--recipes", type=Path, default=Path(__file__).resolve().parent.parent / "conf" / "recipe",
+                        help="folder whose *smollm2_135m* recipes get a row even without a run")
     args = parser.parse_args()
     rows = last_runs(args.runs)
     if not rows:
         raise SystemExit(f"no run folders (job_summary.json or result.json) under {', '.join(map(str, args.runs))}")
     table = (f"<!-- generated by `python scripts/results_table.py --write FILE` from each recipe's last run; "
-             f"edits here are overwritten -->\n{render(rows)}")
+             f"edits here are overwritten -->\n{render(rows, cpu_recipes(args.recipes))}")
     if args.write:
         write_block(args.write, table)
         print(f"{args.write}: results block rewritten ({len(rows)} recipes)")

@@ -41,10 +41,20 @@ def test_each_recipe_shows_its_last_run(tmp_path):
     rows = last_runs([tmp_path])
     assert [row["recipe"] for row in rows] == ["eagle_smollm2_135m", "medusa_smollm2_135m"]
     assert rows[0]["run"].endswith("new_eagle") and rows[0]["top1"] == 0.35  # step 0, not step 1
-    assert rows[0]["method"] == {"name": "eagle_tree", "tau": 1.4, "vs_plain": 1.1}
-    table = render(rows)
+    assert rows[0]["method"] == rows[0]["head_method"] == {"name": "eagle_tree", "tau": 1.4, "vs_plain": 1.1}
+    table = render(rows, ["eagle3_smollm2_135m", "eagle_smollm2_135m"])
     assert "| eagle_smollm2_135m | 300 (max_steps) | 0.350 | 1.350 | eagle_tree: 1.40, 1.10x | 10.0 |" in table
     assert "| medusa_smollm2_135m | 300 (max_steps) | 0.260 | 1.260 | – |" in table
+    assert "CPU x86_64, 2 threads (1970-01-01) |" in table  # the day the run's summary was written
+    assert "| eagle3_smollm2_135m | not yet measured | – | – | – | – | – | – |" in table
+
+
+def test_the_heads_own_drafter_is_shown_when_another_was_faster(tmp_path):
+    folder = _job(tmp_path / "run", "eagle_smollm2_135m", 0.3, 1.3, when=1_000)
+    summary = json.loads((folder / "job_summary.json").read_text())
+    summary["eval"]["drafters"][2]["speedup_vs_plain"] = 1.2  # prompt lookup beats the head
+    (folder / "job_summary.json").write_text(json.dumps(summary))
+    assert "| prompt_lookup: 1.10, 1.20x (eagle_tree: 1.30, 1.10x) |" in render(last_runs([tmp_path]))
 
 
 def test_only_the_marked_block_is_rewritten(tmp_path):
