@@ -3,8 +3,9 @@
 Measures drafters on held-out ShareGPT prompts (or a JSONL of prompts) and writes report.json,
 report.md and plots to `out`. `head` is a head checkpoint or an export folder; without it only the
 head-free drafters run (prompt_lookup, self_speculation). `eagle_tree` and `eagle_chain` run an
-EAGLE-1/2 or an EAGLE-3 head alike (an EAGLE-3 head drafts over its own vocabulary, its d2t map;
-`runtime.draft_vocab_size` applies to the others). `head=release` is the trained EAGLE head
+EAGLE-1/2 or an EAGLE-3 head alike. Every head drafts over the vocabulary it carries (counted
+when it was trained; EAGLE-3: its d2t map); a head saved without one drafts over the full
+vocabulary, with a warning. `head=release` is the trained EAGLE head
 shipped in the repository for the embedded default (SmolLM2-135M-Instruct), the export folder
 `heads/release/eagle_smollm2_135m/`:
 
@@ -86,18 +87,6 @@ def load_prompts(cfg: EvalEntryConfig, tokenizer) -> list[list[int]]:
     return [p["prompt_ids"] for p in prompts]
 
 
-def training_reply_tokens(data_config: DataConfig, tokenizer, records: int = 1000) -> list[list[int]]:
-    """Token ids of assistant replies from the training side of the split (never the eval prompts)."""
-    from data.sources import load_conversations
-    from data.split import split_indices
-
-    conversations, _ = load_conversations(data_config)
-    train, _ = split_indices(list(conversations["id"]), data_config.eval_fraction, data_config.split_seed)
-    replies = [m["content"] for row in conversations.select(train[:records]) for m in row["messages"]
-               if m["role"] == "assistant"]
-    return [tokenizer(text, add_special_tokens=False)["input_ids"] for text in replies]
-
-
 def resolve_head(head: str) -> Path:
     """`head=` value -> folder: the alias `release` names RELEASE_HEAD_DIR; anything else is a path."""
     if head != "release":
@@ -129,8 +118,7 @@ def check_eval_config(cfg: EvalEntryConfig) -> None:
 
 
 def run(cfg: EvalEntryConfig) -> dict:
-    from eval.run import HEAD_DRAFTERS, evaluate, frequent_token_ids
-    from heads.eagle3 import Eagle3Head
+    from eval.run import HEAD_DRAFTERS, evaluate
     from heads.target import load_target
 
     runtime = cfg.runtime
@@ -149,12 +137,6 @@ def run(cfg: EvalEntryConfig) -> dict:
             log.info("no head=: running head-free drafters only: %s", kept)
         drafters = kept
     prompts = load_prompts(cfg, target.tokenizer)
-    draft_vocab = None
-    if isinstance(head, Eagle3Head):
-        log.info("draft vocabulary: the EAGLE-3 head's own %d tokens (d2t)", head.config.draft_vocab_size)
-    elif runtime.draft_vocab_size and head is not None:
-        draft_vocab = frequent_token_ids(training_reply_tokens(cfg.data, target.tokenizer), runtime.draft_vocab_size)
-        log.info("draft vocabulary: the %d most frequent tokens of training replies", len(draft_vocab))
     logger = cfg.logger or {}
     if logger.get("kind") == "wandb" and logger.get("mode") != "disabled":
         import wandb
@@ -163,7 +145,7 @@ def run(cfg: EvalEntryConfig) -> dict:
                    name=logger.get("run_name"), tags=logger.get("tags"), job_type="eval",
                    config={"runtime": dataclasses.asdict(runtime), "head": cfg.head})
     report = evaluate(target, prompts, drafters, runtime, head=head, head_config=head_config, out_dir=cfg.out,
-                      progress=cfg.progress, draft_vocab=draft_vocab)
+                      progress=cfg.progress)
     print(Path(report["files"]["markdown"]).read_text())
     return report
 

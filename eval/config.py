@@ -34,7 +34,6 @@ class RuntimeConfig:
     tree_sweep: list[int] = field(default_factory=lambda: [4, 8, 16, 32])  # eagle_tree total_tokens sweep
     draft_layers: int | None = None  # self_speculation: target layers in the draft; None = a quarter
     prompt_lookup_tokens: int = 8  # prompt_lookup: longest drafted chain
-    draft_vocab_size: int = 0  # EAGLE-1/2 and Medusa drafts over the N most frequent training-reply tokens; 0 = full vocabulary (EAGLE-3 heads carry their own)
     seed: int = 0  # sampling generators (one per prompt, the same for every method)
     fuse_projections: bool = True  # lean forward: fused q|k|v and gate|up matmuls (LeanLlama.from_hf)
     # Never speculate at a loss: EAGLE, Medusa and prompt-lookup steps fall back to plain decoding while
@@ -74,7 +73,6 @@ def check_runtime(r: RuntimeConfig) -> None:
         need(_is_int(getattr(r, key)) and getattr(r, key) >= 1, key, "must be an int >= 1")
     need(_is_int(r.seed) and r.seed >= 0, "seed", "must be an int >= 0")
     need(r.threads is None or (_is_int(r.threads) and r.threads >= 0), "threads", "must be null or an int >= 0")
-    need(_is_int(r.draft_vocab_size) and r.draft_vocab_size >= 0, "draft_vocab_size", "must be an int >= 0")
 
 
 def wandb_mode(configured: str, environ=None) -> str:

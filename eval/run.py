@@ -28,7 +28,7 @@ from eval.timing import device_clock, measured_on, module_device
 from heads.eagle import EagleHead
 from heads.eagle3 import Eagle3Head
 from heads.medusa import MedusaHeads
-from heads.vocab import most_frequent_ids
+from heads.vocab import draft_ids
 
 log = logging.getLogger(__name__)
 
@@ -86,13 +86,6 @@ def measured_verify_cost(lean: LeanLlama, prompts, max_gamma: int) -> tuple[floa
     return tuple(costs[n] / costs[1] for n in sorted(costs))
 
 
-def frequent_token_ids(token_lists: Sequence[Sequence[int]], size: int) -> torch.Tensor:
-    """(size,) the most frequent token ids of `token_lists` (e.g. training replies), ties by id:
-    a draft vocabulary for EAGLE and Medusa drafters."""
-    counts = torch.bincount(torch.tensor([t for tokens in token_lists for t in tokens], dtype=torch.long))
-    return most_frequent_ids(counts, size)
-
-
 def _draft_cost(lean: LeanLlama, layers: int) -> float:
     """Bytes a draft step reads relative to a target step: lm_head + `layers` blocks."""
     per_block = sum(p.numel() for p in lean.blocks[0].parameters())
@@ -100,15 +93,27 @@ def _draft_cost(lean: LeanLlama, layers: int) -> float:
     return (head + layers * per_block) / (head + lean.config.num_layers * per_block)
 
 
+def _vocabulary_note(head) -> dict:
+    """What the head drafts over, for the report; logs the fallback of a head without a vocabulary."""
+    ids = draft_ids(head)
+    if ids is not None:
+        log.info("draft vocabulary: the head's own %d tokens", len(ids))
+        return {"size": len(ids), "source": "the head"}
+    vocab_size = head.config.vocab_size
+    log.warning("the head carries no draft vocabulary (saved before heads stored one, or trained with "
+                "heads.draft_vocab_size=0): it drafts over the full vocabulary of %d tokens", vocab_size)
+    return {"size": vocab_size, "source": "none stored: the full vocabulary"}
+
+
 def build_methods(names: Sequence[str], runtime: RuntimeConfig, lean: LeanLlama, head=None, prompts=(),
-                  eos=(), draft_vocab=None, progress: bool = False) -> tuple[list[Method], dict]:
+                  eos=(), progress: bool = False) -> tuple[list[Method], dict]:
     """Drafter names -> Methods (plain first). Head drafters whose head is missing are skipped
-    with a warning. Returns (methods, extra report fields). `progress`: bars over the calibrations."""
+    with a warning. Head drafters draft over the head's own vocabulary (heads.vocab.draft_ids:
+    EAGLE-1/2 and Medusa an id list, EAGLE-3 its d2t map inside the head). Returns (methods, extra
+    report fields). `progress`: bars over the calibrations."""
     names, methods, extra = list(names), [Method("plain", None)], {}
-    if isinstance(head, Eagle3Head) and draft_vocab is not None:
-        log.info("the EAGLE-3 head drafts over its own %d-token vocabulary (d2t); draft_vocab is not used",
-                 head.config.draft_vocab_size)
-        draft_vocab = None
+    ids = draft_ids(head) if head is not None else None
+    draft_vocab = None if isinstance(head, Eagle3Head) else ids  # an EAGLE-3 head maps its own ids (d2t)
     gate = {"fallback": runtime.fallback}
     plain_seconds = _plain_seconds(lean, prompts) if runtime.fallback and set(names) & set(GATED_DRAFTERS) else 0.0
     for name in names:
@@ -119,9 +124,7 @@ def build_methods(names: Sequence[str], runtime: RuntimeConfig, lean: LeanLlama,
             log.warning("skipping %s: it needs a %s head (got %s)", name, " or ".join(k.__name__ for k in needed),
                         type(head).__name__)
             continue
-        vocab = {} if draft_vocab is None else {"draft_vocab": len(draft_vocab)}
-        if isinstance(head, Eagle3Head):
-            vocab = {"draft_vocab": head.config.draft_vocab_size}
+        vocab = {} if ids is None else {"draft_vocab": len(ids)}
         if name == "prompt_lookup":
             methods.append(Method(name, _gated(lambda: PromptLookupDrafter(runtime.prompt_lookup_tokens), runtime,
                                                plain_seconds, lean),
@@ -242,13 +245,13 @@ def summarize(results: list[GenerationResult], reference: list[list[int]] | None
 def evaluate(target, prompts: Sequence[Sequence[int]], drafter_specs: Sequence[str] | None = None,
              runtime: RuntimeConfig = RuntimeConfig(), head=None, head_config=None,
              out_dir: str | Path = "runs/eval", progress: bool = True,
-             eos_token_ids: Sequence[int] | None = None, draft_vocab: torch.Tensor | None = None) -> dict:
+             eos_token_ids: Sequence[int] | None = None) -> dict:
     """Measure every drafter in `drafter_specs` (default runtime.drafters) on `prompts` (token id
     lists) with the target (a `heads.target.FrozenTarget`; `head` an EagleHead, Eagle3Head or
-    MedusaHeads, or None for head-free drafters only). draft_vocab: optional (Vd,) token ids for
-    EAGLE-1/2 and Medusa drafts (`frequent_token_ids` of training replies; runtime.draft_vocab_size
-    says how many); an EAGLE-3 head drafts over its own (d2t). Writes report.json, report.md and PNG plots to out_dir;
-    logs to W&B when a run is active. Returns the report dict."""
+    MedusaHeads, or None for head-free drafters only). The head drafts over the vocabulary it
+    carries; one without (saved before heads stored one, or trained with heads.draft_vocab_size=0)
+    drafts over the full vocabulary, with a warning. Writes report.json, report.md and PNG plots
+    to out_dir; logs to W&B when a run is active. Returns the report dict."""
     from tqdm import tqdm
 
     if runtime.threads:
@@ -264,8 +267,11 @@ def evaluate(target, prompts: Sequence[Sequence[int]], drafter_specs: Sequence[s
     longest_tree = max([fixed or 0, *runtime.tree_auto_sizes, *runtime.tree_sweep, 64])
     max_len = max(p.shape[0] for p in prompts) + runtime.max_new_tokens + longest_tree + 8
     lean = LeanLlama.from_hf(target.model, max_seq_len=max_len, attention=runtime.attention)
+    vocabulary = _vocabulary_note(head) if head is not None else None
     methods, extra = build_methods(list(drafter_specs or runtime.drafters), runtime, lean, head, prompts,
-                                   eos_token_ids, draft_vocab, progress)
+                                   eos_token_ids, progress)
+    if vocabulary is not None:
+        extra["draft_vocab"] = vocabulary
     compare_hf = runtime.compare_transformers
     names = [m.name for m in methods] + (["transformers"] if compare_hf else [])
     results: dict[str, list[GenerationResult]] = {name: [] for name in names}

@@ -7,6 +7,7 @@ writer (`export.writer`) and the validator (`export.validate`) do the files.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -105,8 +106,9 @@ class NativeFormat:
             problems.append(f"{self.config_file}.type: {config_json.get('type')!r}, expected {head_type(config)!r}")
         if config_json.get("config") != config.to_dict():
             ours, theirs = config.to_dict(), config_json.get("config") or {}
-            for key in sorted(set(ours) | set(theirs)):
-                if ours.get(key) != theirs.get(key):
+            defaults = {f.name: f.default for f in dataclasses.fields(config) if f.default is not dataclasses.MISSING}
+            for key in sorted(set(ours) | set(theirs)):  # a field added later may be missing at its default
+                if ours.get(key) != theirs.get(key, defaults.get(key)):
                     problems.append(f"{self.config_file}.config.{key}: {theirs.get(key)!r}, manifest says {ours.get(key)!r}")
         if config_json.get("format_version") != NATIVE_FORMAT_VERSION:
             problems.append(f"{self.config_file}.format_version: {config_json.get('format_version')!r}, "

@@ -10,7 +10,9 @@ import torch
 from export.formats import DTYPES as _DTYPES
 from export.formats import EXPORT_FORMAT_VERSION, ExportError, Format, get_format, shape_problems
 from export.manifest import MANIFEST_NAME, sha256_file
+from export.vocab_file import VOCAB_FILE, has_sidecar, read_sidecar, vocab_problems
 from heads.io import CONFIG_NAME as NATIVE_CONFIG_NAME
+from heads.vocab import VOCAB_KEY
 from heads.io import (HeadFileError, build_buffers, build_head, check_against_target, config_from_dict,
                       fingerprint_differences, load_head, non_finite_keys, read_weights)
 
@@ -61,9 +63,9 @@ def _layout_and_config(folder, manifest: dict) -> tuple[Format, object]:
     return layout, config
 
 
-def _file_problems(folder: Path, layout: Format, manifest: dict) -> list[str]:
+def _file_problems(folder: Path, layout: Format, manifest: dict, config) -> list[str]:
     problems = []
-    for name in (layout.weights_file, layout.config_file):
+    for name in (layout.weights_file, layout.config_file, *([VOCAB_FILE] if has_sidecar(layout, config) else [])):
         info = manifest["files"].get(name)
         if not (folder / name).is_file():
             problems.append(f"{name}: missing")
@@ -118,7 +120,7 @@ def validate_export(folder: str | os.PathLike, target=None) -> dict:
     folder = Path(folder)
     manifest = read_manifest(folder)
     layout, config = _layout_and_config(folder, manifest)
-    problems = _file_problems(folder, layout, manifest)
+    problems = _file_problems(folder, layout, manifest, config)
     if problems:
         raise ExportValidationError(folder, problems)
     try:
@@ -129,6 +131,7 @@ def validate_export(folder: str | os.PathLike, target=None) -> dict:
     problems += _identity_problems(manifest, config)
     tensors = _read_tensors(folder, layout)
     problems += shape_problems(tensors, layout.expected_shapes(config), layout.weights_file)
+    problems += vocab_problems(folder, layout, config, tensors)
     problems += [f"{layout.weights_file}: {key!r} holds NaN or infinite values" for key in non_finite_keys(tensors)]
     dtype = _DTYPES[manifest["dtype"]]
     problems += [f"{layout.weights_file}: {key!r} has dtype {str(value.dtype).removeprefix('torch.')}, "
@@ -165,6 +168,8 @@ def load_export(folder: str | os.PathLike, target=None, strict_fingerprint: bool
         if target is not None:
             check_against_target(config, target, strict_fingerprint)
         state = layout.to_state(_read_tensors(folder, layout), config)
+        if has_sidecar(layout, config):  # validated above
+            state[VOCAB_KEY] = read_sidecar(folder)
         with torch.device("meta"):
             head = build_head(config)
         head.load_state_dict(state, strict=True, assign=True)

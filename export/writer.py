@@ -19,6 +19,7 @@ from torch import nn
 from export.formats import ExportError, get_format, resolve_formats, torch_dtype
 from export.manifest import (MANIFEST_NAME, README_NAME, base_model_from_target, build_manifest, model_card,
                              recommended_runtime, sha256_file)
+from export.vocab_file import VOCAB_FILE, manifest_entry, split_state, write_sidecar
 from export.validate import ExportValidationError, read_manifest, validate_export
 from heads.io import check_against_target, fingerprint_differences, head_type, non_finite_keys
 
@@ -167,7 +168,8 @@ def export_head(head: nn.Module, config, fmt: str, out_dir: str | os.PathLike, t
     extra["notes"] = [*relabelled, *(extra.get("notes") or [])]
     base = base_model_from_target(target, extra.get("base_model_id"))
     cast = torch_dtype(dtype)
-    tensors, config_json = layout.to_files(head.state_dict(), config, base, dtype)
+    state, vocab = split_state(head.state_dict(), layout, config)  # engine files keep FORMATS.md's keys
+    tensors, config_json = layout.to_files(state, config, base, dtype)
     tensors = prepare_tensors(tensors, cast)
     bad = non_finite_keys(tensors)
     if bad:
@@ -183,9 +185,14 @@ def export_head(head: nn.Module, config, fmt: str, out_dir: str | os.PathLike, t
             layout.add_runtime(config_json, recommended_runtime(config, extra.get("runtime")))
         _write_weights(tmp / layout.weights_file, tensors)
         _write_json(tmp / layout.config_file, config_json)
-        files = {name: {"sha256": sha256_file(tmp / name), "bytes": (tmp / name).stat().st_size}
-                 for name in (layout.weights_file, layout.config_file)}
+        names = [layout.weights_file, layout.config_file]
+        if vocab is not None:
+            write_sidecar(tmp, vocab)
+            names.append(VOCAB_FILE)
+        files = {name: {"sha256": sha256_file(tmp / name), "bytes": (tmp / name).stat().st_size} for name in names}
         manifest = build_manifest(layout, config, base, target, dtype, files, extra)
+        if manifest_entry(layout, config) is not None:
+            manifest["draft_vocab"] = manifest_entry(layout, config)
         (tmp / README_NAME).write_text(model_card(manifest))
         _write_json(tmp / MANIFEST_NAME, manifest)  # last: a folder without it is not an export
         validate_export(tmp, target)  # also checks the embedding / lm_head copies against the target

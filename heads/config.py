@@ -31,9 +31,6 @@ class EagleOptions:
     train_steps: int = 1  # >1: unroll the head on its own outputs in training (EAGLE-3's training-time test)
     unroll_loss_decay: float = 0.8  # step j of the unroll weighs decay**j
     fc_learning_rate_scale: float = 1.0  # fc trains at this fraction of trainer.learning_rate
-    # the logit loss runs over the N most frequent reply tokens (0: the full vocabulary; None: as many
-    # as the runtime drafts from, runtime.draft_vocab_size, so the head is trained on what it will score)
-    loss_vocab_size: int | None = None
 
 
 @dataclass
@@ -41,9 +38,6 @@ class Eagle3Options:
     # target streams fc reads, in transformers' hidden_states numbering (i = the stream entering
     # decoder layer i; vLLM's convention); None: [2, L//2, L-3]
     aux_layer_ids: list[int] | None = None
-    # the draft vocabulary: the N most frequent tokens at the training split's loss positions
-    # (None: runtime.draft_vocab_size, what the runtime drafts from; 0: the full vocabulary)
-    draft_vocab_size: int | None = None
     ttt_steps: int = 3  # training-time test: steps unrolled on the head's own outputs
     loss_decay: float = 0.8  # unrolled step j weighs decay**j
     norm_before_residual: bool = False  # True: the decoder layer's residual is hidden_norm(h)
@@ -54,6 +48,10 @@ class Eagle3Options:
 class HeadsConfig:
     type: str = "eagle"  # eagle | eagle3 | medusa
     hidden_size: int | None = None  # None: the target's; set only to check a recipe
+    # Every kind's draft vocabulary: the N most frequent tokens at the training split's loss positions,
+    # counted once and stored in the head (0: the full vocabulary). The loss scores it (EAGLE's logit
+    # loss, Medusa's cross-entropy, EAGLE-3's lm_head has N rows) and the drafters draft over it.
+    draft_vocab_size: int = 0
     medusa: MedusaOptions = field(default_factory=MedusaOptions)
     eagle: EagleOptions = field(default_factory=EagleOptions)
     eagle3: Eagle3Options = field(default_factory=Eagle3Options)

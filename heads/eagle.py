@@ -31,6 +31,9 @@ class EagleConfig:
     qk_norm: bool = False
     target_name: str = ""
     target_fingerprint: dict = field(default_factory=dict)
+    # Vd of the head's draft vocabulary (buffer `draft_vocab`: sorted target ids that the logit loss
+    # and the drafters score); 0: none stored, the full vocabulary (heads saved before it existed)
+    draft_vocab_size: int = 0
 
     @classmethod
     def from_target(cls, target, **options) -> "EagleConfig":
@@ -181,6 +184,8 @@ class EagleHead(nn.Module):
         self.layers = nn.ModuleList([DecoderLayer(config)])
         inv_freq, self.attention_scaling = rope_inv_freq(config)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
+        if config.draft_vocab_size:  # the first Vd ids until heads.vocab.set_draft_vocab installs the real ones
+            self.register_buffer("draft_vocab", torch.arange(config.draft_vocab_size))
 
     def rope(self, position_ids: torch.Tensor, dtype: torch.dtype):
         """position_ids (B, T) -> cos, sin (B, 1, T, hd)."""

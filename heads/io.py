@@ -2,6 +2,8 @@
 
 head_config.json = {"type": "eagle" | "eagle3" | "medusa", "config": {<EagleConfig | Eagle3Config | MedusaConfig fields>},
                     "format_version": 1, **extra}
+The head's draft vocabulary is part of its weights: `draft_vocab` (sorted target ids, EAGLE-1/2
+and Medusa with config draft_vocab_size > 0) or `d2t`/`t2d` (EAGLE-3); heads/vocab.py.
 """
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ from torch import nn
 from heads.eagle import EagleConfig, EagleHead
 from heads.eagle3 import Eagle3Config, Eagle3Head
 from heads.medusa import MedusaConfig, MedusaHeads
+from heads.vocab import VOCAB_KEY, check_ids, stores_id_list
 
 CONFIG_NAME = "head_config.json"
 WEIGHTS_NAME = "model.safetensors"
@@ -166,6 +169,11 @@ def load_head(directory: str | os.PathLike, target=None, strict_fingerprint: boo
         head.load_state_dict(state, strict=True, assign=True)
     except RuntimeError as error:  # missing, unexpected or misshapen keys
         raise HeadFileError(f"{weights} does not match {CONFIG_NAME}: {error}") from None
+    if stores_id_list(config):
+        try:
+            check_ids(head.draft_vocab, config.vocab_size, f"{weights}: {VOCAB_KEY}")
+        except ValueError as error:
+            raise HeadFileError(str(error)) from None
     # Non-persistent buffers (RoPE frequencies) are rebuilt on the real device.
     for name, buffer in list(head.named_buffers()):
         if buffer.is_meta:

@@ -23,6 +23,9 @@ class MedusaConfig:
     share_lm_head: bool = False
     target_name: str = ""
     target_fingerprint: dict = field(default_factory=dict)
+    # Vd of the heads' draft vocabulary (buffer `draft_vocab`: sorted target ids that the loss and
+    # the drafter score); 0: none stored, the full vocabulary (heads saved before it existed)
+    draft_vocab_size: int = 0
 
     @classmethod
     def from_target(cls, target, **options) -> "MedusaConfig":
@@ -57,6 +60,8 @@ class MedusaHeads(nn.Module):
             if not config.share_lm_head:
                 blocks.append(nn.Linear(config.hidden_size, config.vocab_size, bias=False))
             self.add_module(str(h), nn.ModuleList(blocks))
+        if config.draft_vocab_size:  # the first Vd ids until heads.vocab.set_draft_vocab installs the real ones
+            self.register_buffer("draft_vocab", torch.arange(config.draft_vocab_size))
 
     def head(self, k: int) -> nn.ModuleList:
         return self._modules[str(k)]

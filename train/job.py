@@ -80,11 +80,10 @@ def validate_job(job: JobConfig) -> JobConfig:
     _positive("heads.eagle.train_steps", job.heads.eagle.train_steps)
     _positive("heads.eagle.unroll_loss_decay", job.heads.eagle.unroll_loss_decay, allow_zero=True)
     _positive("heads.eagle.fc_learning_rate_scale", job.heads.eagle.fc_learning_rate_scale, allow_zero=True)
-    _positive("heads.eagle.loss_vocab_size", job.heads.eagle.loss_vocab_size, allow_zero=True)
+    _positive("heads.draft_vocab_size", job.heads.draft_vocab_size, allow_zero=True)
     e3 = job.heads.eagle3
     _positive("heads.eagle3.ttt_steps", e3.ttt_steps)
     _positive("heads.eagle3.eval_steps", e3.eval_steps)
-    _positive("heads.eagle3.draft_vocab_size", e3.draft_vocab_size, allow_zero=True)
     if not 0.0 < e3.loss_decay <= 1.0:
         raise ConfigError(f"heads.eagle3.loss_decay={e3.loss_decay} must be in (0, 1]")
     layers = job.model.arch.num_hidden_layers

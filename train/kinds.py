@@ -5,8 +5,10 @@ which kind it holds. A kind says
 - which target states it reads (`feature_layers`: indices into transformers' `hidden_states`,
   FINAL for the final post-norm state); a `FeatureSource` built for those layers returns them
   concatenated along the last dim, in that order;
-- how a fresh head is built from the target (`build`), which decoder layers of the target that
-  build reads (`init_layers`, for a target loaded in parts), and its optimizer groups;
+- how a fresh head is built from the target around its draft vocabulary (`build`; the loop counts
+  the vocabulary once, over the training split's loss positions, and every kind stores it in the
+  head), which decoder layers of the target that build reads (`init_layers`, for a target loaded
+  in parts), and its optimizer groups;
 - an optional set-up on training data before the first step (`prepare`: EAGLE's ridge fit of fc);
 - one training step's loss and the figures it logs (`step`, `figures`);
 - held-out counts per drafted step or head (`eval_rows`, `eval_counts`), named by `unit`.
@@ -24,6 +26,7 @@ from heads.config import EagleOptions, HeadsConfig, MedusaOptions
 from heads.eagle import EagleConfig, init_from_target as init_eagle, set_fc_by_ridge
 from heads.io import build_head
 from heads.medusa import MedusaConfig, init_from_target as init_medusa
+from heads.vocab import set_draft_vocab
 from train.evaluate import eagle_eval_counts, medusa_eval_counts
 from train.objectives import FINAL, FeatureSource, FrozenParts, eagle_step, medusa_step, ridge_sums
 
@@ -45,8 +48,10 @@ class HeadKind(Protocol):
     def init_layers(self) -> list[int]:
         """Decoder layers of the target that `build` reads (shapes or weights)."""
 
-    def build(self, target) -> tuple[nn.Module, object]:
-        """A fresh head initialised from the target -> (head, head config)."""
+    def build(self, target, vocab: torch.Tensor | None) -> tuple[nn.Module, object]:
+        """A fresh head initialised from the target, holding the draft vocabulary `vocab` (sorted
+        target ids (Vd,); None: the full vocabulary) -> (head, head config). The losses and the
+        drafters read the vocabulary from the head (heads.vocab.draft_ids)."""
 
     def param_groups(self, head: nn.Module, learning_rate: float) -> list[dict]:
         """AdamW parameter groups."""
@@ -85,18 +90,15 @@ class EagleKind:
     def feature_layers(self, num_layers: int) -> tuple[int, ...]:
         return (FINAL,)
 
-    def loss_vocab_size(self, job) -> int:
-        size = self.options.loss_vocab_size
-        return job.runtime.draft_vocab_size if size is None else size
-
     def init_layers(self) -> list[int]:
         init = self.options.init_layer
         return [0] + ([init] if init is not None else [])  # layer 0's shape, init_layer's weights
 
-    def build(self, target):
+    def build(self, target, vocab):
         o = self.options
         config = EagleConfig.from_target(target, fc_bias=o.fc_bias)
-        return init_eagle(build_head(config), target, o.init_layer, o.init_fc), config
+        head = init_eagle(build_head(config), target, o.init_layer, o.init_fc)
+        return (head if vocab is None else set_draft_vocab(head, vocab)), config
 
     def param_groups(self, head, learning_rate):
         """One group, or with fc_learning_rate_scale != 1 two: fc at the scaled rate (a
@@ -146,17 +148,15 @@ class MedusaKind:
     def feature_layers(self, num_layers: int) -> tuple[int, ...]:
         return (FINAL,)
 
-    def loss_vocab_size(self, job) -> int:
-        return 0
-
     def init_layers(self) -> list[int]:
         return []
 
-    def build(self, target):
+    def build(self, target, vocab):
         o = self.options
         config = MedusaConfig.from_target(target, num_heads=o.num_heads, num_layers=o.num_layers,
                                           share_lm_head=o.share_lm_head)
-        return init_medusa(build_head(config), target), config
+        head = init_medusa(build_head(config), target)
+        return (head if vocab is None else set_draft_vocab(head, vocab)), config
 
     def param_groups(self, head, learning_rate):
         return [{"params": list(head.parameters())}]

@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from heads.io import head_type, load_head, read_head_meta
+from heads.vocab import draft_ids, set_draft_vocab
 from train.checkpoint import (
     TrainingDiverged, find_resume, prune_checkpoints, rng_state, save_checkpoint, set_rng_state,
 )
@@ -61,17 +62,27 @@ def lr_factor(step: int, warmup_steps: int, total_steps: int, schedule: str) -> 
     raise ValueError(f"trainer.schedule={schedule!r} is not one of ['constant', 'cosine', 'linear']")
 
 
-def build_head_for_job(job, target, initial=None, kind: HeadKind | None = None):
+def build_head_for_job(job, target, initial=None, kind: HeadKind | None = None,
+                       vocab: torch.Tensor | None = None):
     """(head, head config): `initial` when given (a head the caller loaded, e.g. from an engine
     export), else from trainer.init_from (a checkpoint or native export), else fresh: the head
-    kind's build, initialised from the target."""
+    kind's build, initialised from the target, around the draft vocabulary `vocab` (sorted ids;
+    None: the full vocabulary). A loaded head keeps its own vocabulary; one without gets `vocab`."""
     kind, source = kind or head_kind(job.heads), job.trainer.init_from
     if initial is not None or source:
         head, config = initial if initial is not None else load_head(source, target)[:2]
         if head_type(config) != kind.name:
             raise ValueError(f"trainer.init_from={source} holds a {type(config).__name__}, but heads.type={kind.name}")
+        own = draft_ids(head)
+        if own is None and vocab is not None:
+            set_draft_vocab(head, vocab)
+            log.info("trainer.init_from: the head had no draft vocabulary; it trains over the %d counted ids",
+                     len(vocab))
+        elif own is not None and (vocab is None or not torch.equal(own.cpu(), vocab.cpu())):
+            log.info("trainer.init_from: the head keeps its own %d-id draft vocabulary (heads.draft_vocab_size=%d "
+                     "is not applied to it)", len(own), job.heads.draft_vocab_size)
         return head, config
-    head, config = kind.build(target)
+    head, config = kind.build(target, vocab)
     if job.heads.hidden_size is not None and job.heads.hidden_size != config.hidden_size:
         raise ValueError(f"heads.hidden_size={job.heads.hidden_size} but the target's is {config.hidden_size}")
     return head, config
@@ -97,10 +108,9 @@ def train_heads(job, target, data, source: FeatureSource | None = None, accelera
     set_seed(t.seed + rank)
 
     target.to(device)
-    loss_vocab, size = None, kind.loss_vocab_size(job)
-    if size:
-        loss_vocab = frequent_reply_tokens(data.train, size, target.vocab_size)
-    parts = FrozenParts.from_target(target, loss_vocab)
+    size = job.heads.draft_vocab_size  # counted once here; the head stores it, its loss and drafters read it
+    vocab = frequent_reply_tokens(data.train, size, target.vocab_size) if size else None
+    parts = FrozenParts.from_target(target)
     layers = kind.feature_layers(target.num_layers)
     source = source or OnlineFeatures(target, layers)
     if source_layers(source) != layers:
@@ -110,7 +120,7 @@ def train_heads(job, target, data, source: FeatureSource | None = None, accelera
     if t.feature_memory_mb > 0:  # reuse each row's features across epochs and evaluations
         source = MemoizedFeatures(source, t.feature_memory_mb)
         eval_source = MemoizedFeatures(eval_source, t.feature_memory_mb)
-    head, head_config = build_head_for_job(job, target, initial, kind)
+    head, head_config = build_head_for_job(job, target, initial, kind, vocab)
     head.to(device)
     optimizer = torch.optim.AdamW(kind.param_groups(head, t.learning_rate), lr=t.learning_rate,
                                   betas=(t.adam_beta1, t.adam_beta2), weight_decay=t.weight_decay)

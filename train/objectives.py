@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from heads.config import EagleOptions, MedusaOptions
-from heads.vocab import most_frequent_ids
+from heads.vocab import draft_ids, most_frequent_ids
 from train.losses import (
     add_uniform_noise, chain_attention_mask, eagle_loss, eagle_position_mask, medusa_loss, medusa_position_mask,
     shift_left,
@@ -83,23 +83,37 @@ class MemoizedFeatures:
 
 @dataclass
 class FrozenParts:
-    """What the heads borrow from the target: embedding (V, D) and lm_head (V, D) weights, and
-    optionally a loss vocabulary: ids (V',) whose lm_head rows the EAGLE logit loss projects onto."""
+    """What the heads borrow from the target: embedding (V, D) and lm_head (V, D) weights."""
 
     embed_weight: torch.Tensor
     lm_head_weight: torch.Tensor
-    loss_vocab: torch.Tensor | None = None
 
     def __post_init__(self):
-        self.loss_weight = (self.lm_head_weight if self.loss_vocab is None
-                            else self.lm_head_weight[self.loss_vocab.to(self.lm_head_weight.device)].contiguous())
+        self._rows: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @classmethod
-    def from_target(cls, target, loss_vocab: torch.Tensor | None = None) -> "FrozenParts":
-        return cls(target.embed_tokens.weight.detach(), target.lm_head.weight.detach(), loss_vocab)
+    def from_target(cls, target) -> "FrozenParts":
+        return cls(target.embed_tokens.weight.detach(), target.lm_head.weight.detach())
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         return nn.functional.embedding(ids, self.embed_weight)
+
+    def vocab_rows(self, ids: torch.Tensor | None) -> torch.Tensor:
+        """lm_head rows (Vd, D) of a draft vocabulary's ids (Vd,); the whole lm_head for None.
+        The last vocabulary's rows are kept: a head's vocabulary does not change while it trains."""
+        if ids is None:
+            return self.lm_head_weight
+        if self._rows is None or not torch.equal(self._rows[0], ids.to(self._rows[0].device)):
+            ids = ids.to(self.lm_head_weight.device)
+            self._rows = (ids.clone(), self.lm_head_weight[ids].contiguous())
+        return self._rows[1]
+
+
+def vocab_index(ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Sorted draft ids (Vd,) -> (V,) long: each target id's row in the draft vocabulary, -1 outside."""
+    index = torch.full((vocab_size,), -1, dtype=torch.long, device=ids.device)
+    index[ids] = torch.arange(ids.numel(), device=ids.device)
+    return index
 
 
 def frequent_reply_tokens(rows, size: int, vocab_size: int) -> torch.Tensor:
@@ -139,9 +153,10 @@ def eagle_step(head: nn.Module, parts: FrozenParts, batch: dict, features: torch
     is unrolled S steps as in speculative decoding (train/evaluate.py's chains, EAGLE-3's
     training-time test): step j reads the data token x_{t+1+j} and its own step j-1 output
     (detached), attends to the true context and its own chain, and is scored against f_{t+1+j}
-    with weight unroll_loss_decay**j. The logit loss runs over `parts.loss_weight` (the loss
-    vocabulary when one is set). Returns step 0's {feature_loss, logit_loss, hits}, the weighted
-    total `loss`, and `positions` (step 0's counted rows)."""
+    with weight unroll_loss_decay**j. The logit loss runs over the head's draft vocabulary (the
+    target's distribution restricted to it; the full vocabulary for a head without one).
+    Returns step 0's {feature_loss, logit_loss, hits}, the weighted total `loss`, and
+    `positions` (step 0's counted rows)."""
     ids = batch["input_ids"]  # (B, T)
     B, T = ids.shape
     n = T - 1
@@ -149,6 +164,7 @@ def eagle_step(head: nn.Module, parts: FrozenParts, batch: dict, features: torch
     inputs = add_uniform_noise(features[:, :-1], options.input_noise)  # (B, n, D) f_t
     positions = torch.arange(n, device=ids.device).expand(B, n)
     steps = max(1, min(options.train_steps, n))
+    loss_weight = parts.vocab_rows(draft_ids(head))  # (Vd, D)
     past, out, total = None, {}, 0.0
     for j in range(steps):
         tokens = shift_left(ids[:, 1:], j)  # (B, n) x_{t+1+j}
@@ -157,7 +173,7 @@ def eagle_step(head: nn.Module, parts: FrozenParts, batch: dict, features: torch
                                use_cache=steps > 1)  # (B, n, D) f̂_{t+1+j}
         valid = shift_left(base, j)
         truth = shift_left(features[:, 1:], j)  # f_{t+1+j}
-        step = eagle_loss(predicted[valid], truth[valid], None, parts.loss_weight, options.feature_loss_weight,
+        step = eagle_loss(predicted[valid], truth[valid], None, loss_weight, options.feature_loss_weight,
                           options.logit_loss_weight, chunk_size)
         total = total + options.unroll_loss_decay**j * step["loss"]
         out = out or {**step, "positions": int(valid.sum())}
@@ -168,20 +184,45 @@ def eagle_step(head: nn.Module, parts: FrozenParts, batch: dict, features: torch
 
 def medusa_step(heads: nn.Module, parts: FrozenParts, batch: dict, features: torch.Tensor,
                 options: MedusaOptions, chunk_size: int) -> dict:
-    """Medusa-1 step: head k at position t against the data token x_{t+k+2}.
-    Returns medusa_loss's dict plus `positions` (counted rows of head 0)."""
+    """Medusa-1 step: head k at position t against the data token x_{t+k+2}, a cross-entropy over
+    the heads' draft vocabulary (the full vocabulary for heads without one). A position whose
+    token lies outside the vocabulary is left out of the loss and counts as a miss in `hits`.
+    Returns medusa_loss's dict (hits over every counted position), `positions` (counted rows of
+    head 0) and `out_of_vocab` [K] (positions left out of each head's loss)."""
     ids = batch["input_ids"]  # (B, T)
     hidden = heads(features)  # (K, B, T, D)
     module = getattr(heads, "module", heads)
-    rows, weights, labels = [], [], []
+    vocab = draft_ids(heads)
+    index = None if vocab is None else vocab_index(vocab.to(ids.device), module.config.vocab_size)
+    shared = parts.vocab_rows(vocab)  # (Vd, D): the target's lm_head rows, for share_lm_head
+    rows, weights, labels, inside = [], [], [], []
     for k in range(hidden.shape[0]):
         mask = medusa_position_mask(batch["loss_mask"], k, batch["attention_mask"])  # (B, T)
         shifted = torch.zeros_like(ids)  # (B, T) x_{t+k+2}
         if k + 2 < ids.shape[1]:
             shifted[:, : ids.shape[1] - (k + 2)] = ids[:, k + 2:]
-        rows.append(hidden[k][mask])
-        labels.append(shifted[mask])
-        weights.append(module.lm_head_weight(k, parts.lm_head_weight))
+        label = shifted[mask]  # (N_k,) target ids
+        own = module.lm_head_weight(k, shared)  # (V or Vd, D)
+        kept = torch.ones_like(label, dtype=torch.bool) if index is None else index[label] >= 0
+        if index is not None:
+            label = index[label]  # draft-vocabulary rows; -1 outside (dropped below)
+            if not module.config.share_lm_head:
+                own = own[vocab.to(own.device)]  # (Vd, D): the gradient reaches these rows only
+        inside.append(kept)
+        rows.append(hidden[k][mask][kept])
+        labels.append(label[kept])
+        weights.append(own)
     out = medusa_loss(rows, weights, labels, options.loss_decay, chunk_size)
-    out["positions"] = rows[0].shape[0]
+    out["hits"] = [_scatter_hits(hits, kept) for hits, kept in zip(out["hits"], inside)]
+    out["positions"] = int(inside[0].numel())
+    out["out_of_vocab"] = [int((~kept).sum()) for kept in inside]
+    return out
+
+
+def _scatter_hits(hits: torch.Tensor, kept: torch.Tensor) -> torch.Tensor:
+    """hits (N',) of the kept rows -> (N,) over all rows, False where a row was left out."""
+    if hits.shape[0] == kept.shape[0]:
+        return hits
+    out = torch.zeros_like(kept)
+    out[kept] = hits
     return out

@@ -101,7 +101,7 @@ def run_job(job: JobConfig) -> dict:
             f"{job.data.source}, data.max_records={job.data.max_records}"
 
     prepared = None
-    if {"data", "train", "features", "eval"} & set(job.stages):  # eval drafts over the training replies' vocabulary
+    if {"data", "train", "features"} & set(job.stages):
         from data.pipeline import prepare_data
 
         prepared = prepare_data(job.data, target.tokenizer, run_dir)
@@ -152,7 +152,7 @@ def _eval_and_export(job: JobConfig, target: FrozenTarget, checkpoint: Path, run
     if "eval" in job.stages:
         with stage_run(job.logger, run_dir, "eval") as run:
             declare_inputs(run, run_dir, ("checkpoint",))
-            summary["eval"] = _evaluate(job, target, head, head_config, run_dir, prepared)
+            summary["eval"] = _evaluate(job, target, head, head_config, run_dir)
 
     if "export" in job.stages:
         from export.writer import export_all
@@ -261,7 +261,7 @@ def _load_for_eval(checkpoint: Path, target: FrozenTarget):
     return head.to(target.device).eval(), config
 
 
-def _evaluate(job: JobConfig, target: FrozenTarget, head, head_config, run_dir: Path, prepared=None) -> dict:
+def _evaluate(job: JobConfig, target: FrozenTarget, head, head_config, run_dir: Path) -> dict:
     from data.prompts import eval_prompts, load_prompt_file
     from eval.run import evaluate
 
@@ -275,20 +275,8 @@ def _evaluate(job: JobConfig, target: FrozenTarget, head, head_config, run_dir: 
 
     own = head_kind(job.heads).drafters  # head drafters of other kinds would only be skipped with a warning
     wanted = [d for d in runtime.drafters if d not in HEAD_DRAFTERS or d in own]
-    report = evaluate(target, [p["prompt_ids"] for p in prompts[: runtime.num_prompts]], wanted, runtime,
-                      head=head, head_config=head_config, out_dir=run_dir / "eval",
-                      draft_vocab=_draft_vocab(runtime, prepared, target.vocab_size))
-    return report
-
-
-def _draft_vocab(runtime, prepared, vocab_size: int):
-    """The most frequent tokens of the training replies: drafting over them instead of the full
-    vocabulary cuts the draft's lm_head cost (runtime.draft_vocab_size; 0 = full vocabulary)."""
-    if not runtime.draft_vocab_size or prepared is None:
-        return None
-    from train.objectives import frequent_reply_tokens  # the same rows as the training loss vocabulary
-
-    return frequent_reply_tokens(prepared.train, runtime.draft_vocab_size, vocab_size)
+    return evaluate(target, [p["prompt_ids"] for p in prompts[: runtime.num_prompts]], wanted, runtime,
+                    head=head, head_config=head_config, out_dir=run_dir / "eval")  # drafts over the head's vocabulary
 
 
 def _earlier_summary(run_dir: Path) -> dict:

@@ -132,9 +132,8 @@ def aux_layer_count(job: JobConfig) -> int:
 
 
 def draft_vocab(job: JobConfig) -> int:
-    """EAGLE-3's draft vocabulary size Vd (heads.eagle3.draft_vocab_size, else the runtime's; 0: V)."""
-    size = job.heads.eagle3.draft_vocab_size
-    size = job.runtime.draft_vocab_size if size is None else size
+    """EAGLE-3's draft vocabulary size Vd (heads.draft_vocab_size; 0: V)."""
+    size = job.heads.draft_vocab_size
     V = job.model.arch.vocab_size
     return min(size, V) if size else V
 

@@ -65,9 +65,6 @@ def run_identity(job, target, rows, world_size: int = 1) -> dict:
         "trainer.grad_accumulation": t.grad_accumulation,
         "trainer.init_from": t.init_from,
     }
-    eagle = getattr(job.heads, "eagle", None)
-    if job.heads.type == "eagle" and eagle is not None and eagle.loss_vocab_size is None:
-        fields["runtime.draft_vocab_size"] = job.runtime.draft_vocab_size  # the loss vocabulary's size
     text = json.dumps(fields, sort_keys=True, default=str)
     return {"id": hashlib.sha256(text.encode()).hexdigest()[:16], "fields": fields}
 

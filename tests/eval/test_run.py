@@ -87,35 +87,24 @@ def test_eval_entry_composes_into_dataclasses():
     assert compose_eval(["runtime.tree_total_tokens=8"]).runtime.tree_total_tokens == 8
 
 
-def test_frequent_token_ids():
-    from eval.run import frequent_token_ids
-
-    ids = frequent_token_ids([[5, 5, 5, 9, 9, 2], [9, 7, 2, 5]], 3)
-    assert ids.tolist() == [2, 5, 9]  # counts 5:4, 9:3, 2:2 (7:1 dropped), returned sorted
-
-
 def test_eval_cli_runs_a_native_eagle3_checkpoint(tmp_path, monkeypatch):
     """`python -m eval head=DIR` with an EAGLE-3 native checkpoint: the EAGLE drafters run it with
-    the head's own draft vocabulary (none is counted from training replies), greedy output identical."""
+    the head's own draft vocabulary, greedy output identical."""
     target, _, head = tiny_eagle3_setup(draft_vocab=torch.arange(0, 128, 2))
     folder = save_head(tmp_path / "eagle3_head", head, head.config)
     monkeypatch.setattr("heads.target.load_target", lambda config: target)
     monkeypatch.setattr(entry, "load_prompts", lambda cfg, tokenizer: prompts(2))
 
-    def no_counting(*args, **kwargs):
-        raise AssertionError("an EAGLE-3 head carries its vocabulary: nothing to count")
-
-    monkeypatch.setattr(entry, "training_reply_tokens", no_counting)
     cfg = entry.compose_eval([f"head={folder}", f"out={tmp_path / 'report'}", "progress=false", "runtime.threads=1",
                               "runtime.max_new_tokens=8", "runtime.compare_transformers=false",
                               "runtime.tree_auto_sizes=[2,4]", "runtime.tree_sweep=[]"])
-    assert cfg.runtime.draft_vocab_size > 0 and cfg.runtime.drafters[:2] == ["eagle_tree", "eagle_chain"]
+    assert cfg.runtime.drafters[:2] == ["eagle_tree", "eagle_chain"]
     report = entry.run(cfg)
     rows = {row["name"]: row for row in report["drafters"]}
     assert {"eagle_tree", "eagle_chain"} <= set(rows) and report["head"]["type"] == "Eagle3Config"
     for name in ("eagle_tree", "eagle_chain"):
         assert rows[name]["greedy_identical"] is True and rows[name]["settings"]["draft_vocab"] == 64
     lean = LeanLlama.from_hf(target.model, max_seq_len=64)
-    methods, _ = build_methods(["eagle_chain", "medusa"], RUNTIME, lean, head=head, draft_vocab=torch.arange(10))
-    assert [m.name for m in methods] == ["plain", "eagle_chain"]  # the given vocabulary is not used
+    methods, _ = build_methods(["eagle_chain", "medusa"], RUNTIME, lean, head=head)
+    assert [m.name for m in methods] == ["plain", "eagle_chain"]
     assert methods[1].settings["draft_vocab"] == 64

@@ -92,8 +92,8 @@ def test_bad_deepspeed_values_are_config_errors():
                                        ["heads=medusa", "heads.medusa.num_layers=2"],
                                        ["heads=medusa", "heads.medusa.share_lm_head=true"],
                                        ["heads=eagle3", "heads.eagle3.aux_layer_ids=[0,1,1]",
-                                        "heads.eagle3.draft_vocab_size=40"],
-                                       ["heads=eagle3", "heads.eagle3.aux_layer_ids=[1]", "heads.eagle3.draft_vocab_size=0"]])
+                                        "heads.draft_vocab_size=40"],
+                                       ["heads=eagle3", "heads.eagle3.aux_layer_ids=[1]", "heads.draft_vocab_size=0"]])
 def test_planned_trainable_count_is_the_real_heads(overrides):
     from heads.eagle import EagleConfig
     from heads.eagle3 import Eagle3Config
@@ -107,9 +107,8 @@ def test_planned_trainable_count_is_the_real_heads(overrides):
     if job.heads.type == "eagle":
         config = EagleConfig.from_target(target, fc_bias=job.heads.eagle.fc_bias)
     elif job.heads.type == "eagle3":
-        e3 = job.heads.eagle3
-        config = Eagle3Config.from_target(target, draft_vocab_size=e3.draft_vocab_size or None,
-                                          aux_layer_ids=e3.aux_layer_ids)
+        config = Eagle3Config.from_target(target, draft_vocab_size=job.heads.draft_vocab_size or None,
+                                          aux_layer_ids=job.heads.eagle3.aux_layer_ids)
     else:
         m = job.heads.medusa
         config = MedusaConfig.from_target(target, num_heads=m.num_heads, num_layers=m.num_layers,

@@ -191,7 +191,7 @@ def test_fc_learning_rate_scale_zero_freezes_fc_and_logs_the_main_rate(tmp_path)
     job = tiny_job(tmp_path, max_steps=3, warmup_ratio=0.0, schedule="constant")
     job.heads.eagle.init_fc, job.heads.eagle.init_layer = "feature", None
     job.heads.eagle.fc_learning_rate_scale = 0.0
-    job.heads.eagle.loss_vocab_size = 64
+    job.heads.draft_vocab_size = 64
     torch.manual_seed(0)
     result = train_heads(job, target, tiny_data())
     trained, _, _ = load_head(result.last_checkpoint, target)

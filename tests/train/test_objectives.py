@@ -45,9 +45,10 @@ def test_frequent_reply_tokens_counts_assistant_tokens_only_ties_by_id():
     assert frequent_reply_tokens(rows, 99, 16).shape == (16,)
 
 
-def test_eagle_step_with_a_loss_vocabulary_scores_only_those_rows():
+def test_eagle_step_scores_the_heads_draft_vocabulary_only():
     from heads.config import EagleOptions
     from heads.eagle import EagleConfig, EagleHead
+    from heads.vocab import set_draft_vocab
 
     target = tiny_target()
     torch.manual_seed(0)
@@ -58,7 +59,7 @@ def test_eagle_step_with_a_loss_vocabulary_scores_only_those_rows():
     options = EagleOptions(feature_loss_weight=0.0, logit_loss_weight=1.0, input_noise=0.0)
     vocab = torch.tensor([1, 4, 8, 20, 33])
     full = eagle_step(head, FrozenParts.from_target(target), batch, features, options, 4)
-    sub = eagle_step(head, FrozenParts.from_target(target, vocab), batch, features, options, 4)
+    sub = eagle_step(set_draft_vocab(head, vocab), FrozenParts.from_target(target), batch, features, options, 4)
     # by hand: teacher and draft softmax over the five rows only
     parts = FrozenParts.from_target(target)
     mask = eagle_position_mask(batch["loss_mask"], batch["attention_mask"])
