@@ -41,7 +41,15 @@ class RuntimeConfig:
     # 2, 4, 8, ... plain steps, at most every fallback_probe_every.
     fallback: bool = False
     fallback_probe_every: int = 16
-    pack_multi_row: bool = True  # lean forward on CPU fp32: oneDNN-packed weights for N >= 2 tokens
+    pack_multi_row: bool = True  # lean forward on CPU (fp32, bf16): oneDNN-packed weights for N >= 2 tokens (default rule)
+    # The target's compute dtype in eval (plain, speculative and transformers' generate alike): target (as
+    # loaded) | auto (measured decode + verify step: fp32, or bf16 on CPUs with AVX512-BF16/AMX) | float32 | bfloat16.
+    dtype: str = "target"
+    # How each linear layer runs each row count: default (one rule for every machine) | auto (the fastest
+    # path measured per layer role and row count at start, eval.linear_paths) | a path name (forced).
+    linear_paths: str = "default"
+    linear_paths_budget: float = 3.0  # weight copies the chosen layouts may hold (memory shared with the model: 0)
+    linear_paths_repeats: int = 5  # measurement rounds (minimum taken) for paths and cost curves
 
 
 DRAFTERS = ("eagle_tree", "eagle_chain", "medusa", "prompt_lookup", "draft_model", "self_speculation")
@@ -73,6 +81,13 @@ def check_runtime(r: RuntimeConfig) -> None:
         need(_is_int(getattr(r, key)) and getattr(r, key) >= 1, key, "must be an int >= 1")
     need(_is_int(r.seed) and r.seed >= 0, "seed", "must be an int >= 0")
     need(r.threads is None or (_is_int(r.threads) and r.threads >= 0), "threads", "must be null or an int >= 0")
+    need(r.dtype in ("auto", "target", "float32", "fp32", "bfloat16", "bf16"), "dtype",
+         "is not one of ['auto', 'target', 'float32', 'bfloat16']")
+    need(r.linear_paths in ("auto", "default", "gemv_t", "linear", "tall", "rows", "dnnl"), "linear_paths",
+         "is not one of ['auto', 'default'] or a path (gemv_t, linear, tall, rows, dnnl)")
+    need(isinstance(r.linear_paths_budget, (int, float)) and r.linear_paths_budget >= 1, "linear_paths_budget",
+         "must be >= 1 (weight copies)")
+    need(_is_int(r.linear_paths_repeats) and r.linear_paths_repeats >= 1, "linear_paths_repeats", "must be an int >= 1")
 
 
 def wandb_mode(configured: str, environ=None) -> str:

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from eval import linear_paths
 from eval.attention import resolve_backend, tree_attention
 from eval.attention.reference import additive_mask
 from eval.kv_cache import KVCache
@@ -48,44 +49,95 @@ class ForwardOutput:
 
 
 class Linear(nn.Module):
-    """A frozen linear layer laid out for the fastest one-row GEMV on the CPU.
+    """A frozen linear layer that runs each row count through its own path (eval.linear_paths).
 
-    One row: `x @ W_t` with W_t (in, out) contiguous when in <= out (q|k|v, o, gate|up, lm_head:
-    ~2x faster than `F.linear`), and `F.linear(x, W)` with W (out, in) contiguous when in > out
-    (down_proj). With `pack=True` (CPU, fp32, oneDNN available) the layer also keeps a
-    oneDNN-blocked copy of the weight for inputs of two or more rows: MKL's sgemm costs 2-6x a
-    GEMV for 2-16 rows, the prepacked oneDNN inner product ~1.6-2.7x (scripts/bench_decode.py).
-    Costs a second copy of the weights.
+    Default rule (before any measurement, `linear_paths.default_plan`): one row through `x @ W_t`
+    with W_t (in, out) contiguous when in <= out (q|k|v, o, gate|up, lm_head: ~2x faster than
+    `F.linear` on the CPUs measured), and through `F.linear(x, W)` with W (out, in) contiguous when
+    in > out (down_proj); with `pack=True` (oneDNN on the CPU, fp32 or bf16) two or more rows go
+    through a oneDNN-blocked copy of the weight. `use` installs a measured plan instead; the layer
+    then keeps only the layouts that plan runs on, plus one plain layout for `weight_t`.
+    `share=True` lets an (out, in) layout be the source tensor itself (no copy; it must not change).
     """
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, pack: bool = False):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, pack: bool = False,
+                 share: bool = False):
         super().__init__()
         weight = weight.detach()
         self.row_major = weight.shape[1] > weight.shape[0]  # in > out
-        stored = weight.contiguous().clone() if self.row_major else weight.t().contiguous()
+        self._source = weight if share and weight.is_contiguous() else None  # (out, in), shared memory
+        stored = (self._source if self._source is not None else weight.contiguous().clone()) if self.row_major \
+            else weight.t().contiguous()
         self.weight_stored = nn.Parameter(stored, requires_grad=False)
         self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
-        self.packed = None
-        if pack and _can_pack(weight):
-            self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), 8)
+        self.layouts: dict[str, torch.Tensor] = {"rm" if self.row_major else "t": stored}
+        if pack and linear_paths.can_pack(weight):
+            self.layouts["dnnl"] = linear_paths.build_layout("dnnl", weight)
+        self.plan: dict[int, str] | None = None  # measured size -> path; None: the default rule
+        self.use(None)
 
     @property
     def weight_t(self) -> torch.Tensor:
         """(in, out): a view; contiguous unless the layer is row-major."""
         return self.weight_stored.t() if self.row_major else self.weight_stored
 
+    @property
+    def packed(self) -> torch.Tensor | None:
+        return self.layouts.get("dnnl")
+
+    def layout(self, name: str) -> torch.Tensor:
+        """The weight in layout `name`, built (and kept) if missing."""
+        if name not in self.layouts:
+            source = self._source if self._source is not None else self.weight_t.t()
+            self.layouts[name] = linear_paths.build_layout(name, source)
+        return self.layouts[name]
+
+    def release(self, names) -> None:
+        """Drop layouts, the costlier first. The last plain layout (`weight_t` reads it) stays, or gives
+        way to the source tensor where that is shared."""
+        for name in sorted(names, key=self.layout_bytes, reverse=True):
+            if name not in self.layouts:
+                continue
+            if name in linear_paths.PLAIN_LAYOUTS and not any(k in linear_paths.PLAIN_LAYOUTS and k != name
+                                                              for k in self.layouts):
+                if name == "rm" or self._source is None:
+                    continue
+                self.layouts["rm"] = self._source  # the source's own memory: free
+            del self.layouts[name]
+        if "t" in self.layouts:
+            self.row_major, self.weight_stored.data = False, self.layouts["t"]
+        else:
+            self.row_major, self.weight_stored.data = True, self.layouts["rm"]
+
+    def layout_bytes(self, name: str) -> int:
+        """Bytes layout `name` holds (or would hold) beyond the source model's own memory."""
+        if name == "rm" and self._source is not None:
+            return 0
+        numel = self.weight_stored.numel()
+        if name == "dnnl" and name in self.layouts:
+            numel = self.layouts[name].numel()
+        return numel * self.weight_stored.element_size()
+
+    def use(self, plan: dict[int, str] | None, beyond: str | None = None, trim: bool = True) -> None:
+        """Run row count n through plan[nearest measured size] (`linear_paths.table`); None restores
+        the default rule. Builds the layouts the plan needs; with `trim`, drops the others."""
+        rule = plan or linear_paths.default_plan(self.row_major, "dnnl" in self.layouts)
+        names = linear_paths.table(rule, beyond)
+        paths = {p: linear_paths.PATHS[p] for p in set(names)}
+        bound = {p: path.bind(self.layout(path.layout), self.bias) for p, path in paths.items()}
+        self.plan = None if plan is None else dict(plan)
+        self.needed = {path.layout for path in paths.values()}
+        self.table = [bound[p] for p in names]  # the callable per row count (index MAX_ROWS: and above)
+        if trim:
+            self.trim()
+
+    def trim(self) -> None:
+        """Drop the layouts the installed paths do not use."""
+        self.release(set(self.layouts) - self.needed)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed is not None and x.shape[0] > 1:
-            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
-        if self.row_major:
-            return F.linear(x, self.weight_stored, self.bias)
-        if self.bias is None:
-            return x @ self.weight_stored
-        return torch.addmm(self.bias, x, self.weight_stored)
-
-
-def _can_pack(weight: torch.Tensor) -> bool:
-    return weight.device.type == "cpu" and weight.dtype == torch.float32 and torch.backends.mkldnn.is_available()
+        n = x.shape[0]
+        return self.table[n if n < linear_paths.MAX_ROWS else linear_paths.MAX_ROWS](x)
 
 
 class RMSNorm(nn.Module):
@@ -139,6 +191,9 @@ class Attention(nn.Module):
         q, k, v = self._project(x, cos, sin)
         cache.write(self.layer, k.transpose(0, 1), v.transpose(0, 1))
         length, keys, values = cache.length, cache.k[self.layer], cache.v[self.layer]  # (Hkv, S, hd)
+        dtype = _attention_dtype(x.dtype, x.device)
+        if dtype != x.dtype:  # the live part of the cache, upcast
+            q, keys, values = q.to(dtype), keys[:, : length + n].to(dtype), values[:, : length + n].to(dtype)
         if n == 1:  # one decode token sees the whole prefix: no mask, no backend dispatch
             out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], keys[None, :, : length + 1],
                                                  values[None, :, : length + 1],
@@ -146,7 +201,14 @@ class Attention(nn.Module):
         else:
             out = tree_attention(q.transpose(0, 1), keys, values, length, tree_mask, tree_bits=tree_bits,
                                  backend=c.attention, bias=bias)  # (H, N, hd)
-        return self.o_proj.forward(out.transpose(0, 1).reshape(n, c.num_heads * c.head_dim))
+        return self.o_proj.forward(out.transpose(0, 1).reshape(n, c.num_heads * c.head_dim).to(x.dtype))
+
+
+def _attention_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """Attention runs in fp32 on the CPU: its bf16 SDPA measured 1.1-4x slower than upcasting the
+    live cache and running fp32 (one query: 4x; docs/performance.md), and the decode step and the
+    verification then compute alike."""
+    return torch.float32 if device.type == "cpu" else dtype
 
 
 def _fused(*linears: Linear) -> Linear:
@@ -231,7 +293,7 @@ class LeanLlama(nn.Module):
         )
 
         def linear(name: str) -> Linear:
-            return Linear(weights[f"{name}.weight"], weights.get(f"{name}.bias"), pack=pack_multi_row)
+            return Linear(weights[f"{name}.weight"], weights.get(f"{name}.bias"), pack=pack_multi_row, share=True)
 
         def norm(name: str) -> RMSNorm | None:
             weight = weights.get(f"{name}.weight")
@@ -250,9 +312,21 @@ class LeanLlama(nn.Module):
         rotary = hf_model.model.rotary_emb
         return cls(
             config, hf_model.get_input_embeddings().weight.detach(), blocks, norm("model.norm"),
-            Linear(hf_model.get_output_embeddings().weight, pack=pack_multi_row), rotary.inv_freq.detach().clone(),
+            Linear(hf_model.get_output_embeddings().weight, pack=pack_multi_row, share=True),
+            rotary.inv_freq.detach().clone(),
             float(getattr(rotary, "attention_scaling", 1.0)),
         )
+
+    def linear_sites(self) -> dict[str, list[Linear]]:
+        """The linear layers grouped by role (q|k|v, o, gate|up, down, ... in every block; lm_head)."""
+        sites: dict[str, list[Linear]] = {}
+        for block in self.blocks:
+            for module in (block.attention, block.mlp):
+                for name, child in module.named_children():
+                    if isinstance(child, Linear):
+                        sites.setdefault(name, []).append(child)
+        sites["lm_head"] = [self.lm_head]
+        return sites
 
     def truncated(self, num_layers: int) -> "LeanLlama":
         """A draft model sharing this model's first `num_layers` blocks, its norm and lm_head
@@ -310,7 +384,7 @@ class LeanLlama(nn.Module):
         hidden = {}
         bias = None  # the reference attention's mask, built once for all layers
         if n > 1 and cache.length > 0 and resolve_backend(self.config.attention, device) == "reference":
-            bias = additive_mask(cache.length, tree_mask, n, self.embedding.dtype, device)
+            bias = additive_mask(cache.length, tree_mask, n, _attention_dtype(self.embedding.dtype, device), device)
         x = self.embedding[tokens]  # (N, D)
         for i, block in enumerate(self.blocks):
             if i in wanted:

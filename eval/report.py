@@ -65,6 +65,7 @@ def markdown_table(report: dict) -> str:
             lines.append(f"| {row['name']} | {_fmt(row.get('speculated_fraction'))} | "
                          + " | ".join(_fmt(v) for v in values) + " |")
     lines += _budget_lines(report.get("eagle_tree_budget"))
+    lines += _runtime_lines(report.get("dtype"), report.get("linear_paths"))
     lines += ["", "Notes:", ""] + [f"- {note}" for note in report.get("notes", [])]
     mismatched = [r["name"] for r in report["drafters"] if r.get("greedy_identical") is False]
     if mismatched:
@@ -92,6 +93,37 @@ def _budget_lines(budget: dict | None) -> list[str]:
 
 def _depth_rows(report: dict) -> list[dict]:
     return [r for r in report["drafters"] if r.get("acceptance_per_depth") and not r["sweep"]]
+
+
+def _runtime_lines(dtype: dict | None, paths: dict | None) -> list[str]:
+    """The target's compute dtype, the linear path per layer role and row count, and the cost curve
+    (forward over N tokens) with the default rule and with the chosen paths."""
+    lines = []
+    if dtype:
+        lines += ["", f"Target compute dtype: **{dtype['chosen']}** ({dtype['reason']})."]
+        if dtype.get("decode_plus_verify_ms"):
+            lines[-1] += (f" Decode step + verification of {dtype['verify_size']} tokens: " + ", ".join(
+                f"{k} {_fmt(v, 1)} ms" for k, v in dtype["decode_plus_verify_ms"].items()) + ".")
+    if not paths:
+        return lines
+    chosen = (paths.get("by_dtype") or {}).get(paths["dtype"])
+    if chosen:
+        sizes = chosen["sizes"]
+        lines += ["", f"Linear paths chosen on this machine ({paths['dtype']}, per layer role and row count N):", "",
+                  "| layer | " + " | ".join(f"N={n}" for n in sizes) + " |", "| --- |" + " --- |" * len(sizes)]
+        for site, plan in chosen["chosen"].items():
+            lines.append(f"| {site} | " + " | ".join(plan[n] for n in sizes) + " |")
+        memory = chosen["memory_mb"]
+        lines.append(f"\nWeight layouts held: {_fmt(memory['held_after'], 1)} MB ({_fmt(memory['one_copy'], 1)} MB is one "
+                     f"copy; budget {_fmt(memory['budget'], 1)} MB; memory shared with the loaded model not counted).")
+    curves = paths["verify_curve_ms"]
+    sizes = sorted(next(iter(curves.values())))
+    lines += ["", f"Forward over N new tokens, ms ({paths.get('clock', 'wall')}, {paths.get('threads', '?')} threads, minimum "
+              "of interleaved rounds; ÷ N=1 in brackets):", "",
+              "| variant | " + " | ".join(f"N={n}" for n in sizes) + " |", "| --- |" + " --- |" * len(sizes)]
+    for name, row in curves.items():
+        lines.append(f"| {name} | " + " | ".join(f"{_fmt(row[n], 1)} ({_fmt(row[n] / row[1])})" for n in sizes) + " |")
+    return lines
 
 
 def _tree_points(report: dict) -> list[tuple[int, dict]]:

@@ -22,6 +22,7 @@ from eval.drafters.medusa import MedusaDrafter
 from eval.drafters.prompt_lookup import PromptLookupDrafter
 from eval.generate import GenerationResult, plain_generate, speculative_generate
 from eval.model import LeanLlama
+from eval.prepare import prepare_target, runtime_sizes
 from eval.report import write_report
 from eval.sampling import SamplingConfig
 from eval.timing import device_clock, measured_on, module_device
@@ -266,12 +267,13 @@ def evaluate(target, prompts: Sequence[Sequence[int]], drafter_specs: Sequence[s
     fixed = _fixed_tree_total_tokens(runtime)
     longest_tree = max([fixed or 0, *runtime.tree_auto_sizes, *runtime.tree_sweep, 64])
     max_len = max(p.shape[0] for p in prompts) + runtime.max_new_tokens + longest_tree + 8
-    lean = LeanLlama.from_hf(target.model, max_seq_len=max_len, attention=runtime.attention)
+    specs = list(drafter_specs or runtime.drafters)
+    lean, hf_model, setup = prepare_target(target.model, runtime, runtime_sizes(runtime, specs), prompts[0], max_len)
     vocabulary = _vocabulary_note(head) if head is not None else None
-    methods, extra = build_methods(list(drafter_specs or runtime.drafters), runtime, lean, head, prompts,
-                                   eos_token_ids, progress)
+    methods, extra = build_methods(specs, runtime, lean, head, prompts, eos_token_ids, progress)
     if vocabulary is not None:
         extra["draft_vocab"] = vocabulary
+    extra = {**setup, **extra}
     compare_hf = runtime.compare_transformers
     names = [m.name for m in methods] + (["transformers"] if compare_hf else [])
     results: dict[str, list[GenerationResult]] = {name: [] for name in names}
@@ -293,7 +295,7 @@ def evaluate(target, prompts: Sequence[Sequence[int]], drafter_specs: Sequence[s
             bar.set_postfix_str("transformers")
             torch.manual_seed(runtime.seed + index)
             results["transformers"].append(
-                transformers_generate(target.model, prompt, runtime.max_new_tokens, sampling, eos_token_ids))
+                transformers_generate(hf_model, prompt, runtime.max_new_tokens, sampling, eos_token_ids))
             bar.update()
     bar.close()
     reference = [r.tokens for r in results["plain"]] if sampling.greedy else None

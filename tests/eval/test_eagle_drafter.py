@@ -3,7 +3,9 @@
 and a warm one that the target accepts (EAGLE-1/2 from the target's last layer; EAGLE-3 from
 `tiny_eagle3_setup`, which agrees most of the time). Checked: lossless greedy output, EAGLE-2 tree
 invariants, a draft KV cache that equals a fresh recompute from the target's own features, tree
-scores equal to the head module's sequential log-probabilities, and the draft vocabulary."""
+scores equal to the head module's sequential log-probabilities, the draft vocabulary, and lossless
+output behind a bf16 target."""
+import copy
 from dataclasses import dataclass
 
 import pytest
@@ -91,6 +93,16 @@ def test_greedy_speculative_equals_plain(kind, mode, which):
         assert max(accepted) >= 1  # the compaction path is exercised
     if which == "warm" and pair.eagle3:  # the EAGLE-3 setup agrees most of the time
         assert sum(accepted) / len(accepted) > 0.7
+
+
+@pytest.mark.parametrize("mode", ["chain", "tree"])
+def test_greedy_speculative_equals_plain_in_bf16(kind, mode):
+    pair = kind["warm"]
+    bf16 = LeanLlama.from_hf(copy.deepcopy(pair.target.model).to(torch.bfloat16), max_seq_len=256)
+    drafter = EagleDrafter(pair.head, bf16, mode=mode, depth=3, top_k=3, total_tokens=8)  # the head stays fp32
+    for prompt in prompts(4):
+        plain = plain_generate(bf16, prompt, NEW_TOKENS).tokens
+        assert speculative_generate(bf16, drafter, prompt, NEW_TOKENS).tokens == plain
 
 
 def _state_after_prefill(drafter, lean, prompt):

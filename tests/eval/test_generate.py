@@ -1,8 +1,10 @@
 """Generation invariants on a tiny model: greedy speculative output equals plain greedy output
-token for token, whatever the drafter proposes (never / always / partly right, chain or tree)."""
+token for token, whatever the drafter proposes (never / always / partly right, chain or tree), in
+fp32 and in bf16, with the default linear paths and with one path forced for every row count."""
 import pytest
 import torch
 
+from eval import linear_paths
 from eval.drafters import Drafter
 from eval.drafters.draft_model import DynamicGamma, self_speculation_drafter
 from eval.drafters.prompt_lookup import PromptLookupDrafter, lookup
@@ -15,10 +17,19 @@ from tests.tiny import tiny_model
 VOCAB, NEW_TOKENS = 128, 24
 
 
-@pytest.fixture(scope="module")
-def lean():
+@pytest.fixture(scope="module", params=[("float32", None), ("float32", "tall"), ("bfloat16", None),
+                                        ("bfloat16", "dnnl")], ids=lambda p: "-".join(filter(None, p)))
+def lean(request):
+    """The lean forward in each dtype the runtime may choose, with the default rule and with a
+    forced path for every row count: speculative output must equal plain output within each."""
+    dtype, path = request.param
     torch.manual_seed(0)
-    return LeanLlama.from_hf(tiny_model(num_hidden_layers=3), max_seq_len=256)
+    model = LeanLlama.from_hf(tiny_model(num_hidden_layers=3).to(getattr(torch, dtype)), max_seq_len=256)
+    if path is not None:
+        if not linear_paths.available(path, model.lm_head.weight_t):
+            pytest.skip(f"{path} is not available for {dtype} on this machine")
+        linear_paths.force_path(model, path)
+    return model
 
 
 def prompts(count: int, length: int = 6):
