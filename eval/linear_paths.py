@@ -31,6 +31,8 @@ from typing import Callable, Iterable, Mapping, Sequence
 import torch
 import torch.nn.functional as F
 
+from eval.timing import device_clock, on_cuda
+
 MAX_ROWS = 64  # row counts above this (prefill) use the path chosen for the largest measured size
 ROWS_MAX = 4  # the `rows` path is a candidate up to this many rows
 PLAIN_LAYOUTS = ("t", "rm")
@@ -137,37 +139,61 @@ def _input(n: int, features: int, dtype: torch.dtype, device, seed: int = 0) -> 
     return torch.randn(n, features, generator=generator).to(device=device, dtype=dtype)
 
 
-def parity_error(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias=None) -> float:
+def parity_error(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias=None, reference=None) -> float:
     """max |out - x Wᵀ| / bound, with the float64 product as reference and bound = tolerance x
     (|x| |W|ᵀ + |bias|), the scale of a dot product's round-off; <= 1 passes. The tolerance allows
-    a few ulps of the dtype per sqrt(in) terms: any wrong kernel is off by O(1) of the bound x 1e5."""
-    x64, w64 = x.double(), weight.double()
-    reference = x64 @ w64.t()
-    scale = x64.abs() @ w64.abs().t()
-    if bias is not None:
-        reference, scale = reference + bias.double(), scale + bias.double().abs()
+    a few ulps of the dtype per sqrt(in) terms: a wrong kernel is off by orders of magnitude more.
+    reference: (product, scale) from `_reference`, to share between paths."""
+    product, scale = reference if reference is not None else _reference(x, weight.double(), bias)
     tolerance = 8 * torch.finfo(out.dtype).eps * math.sqrt(weight.shape[1])
-    return float(((out.double() - reference).abs() / (tolerance * scale + 1e-30)).max())
+    return float(((out.double() - product).abs() / (tolerance * scale + 1e-30)).max())
+
+
+def _reference(x: torch.Tensor, w64: torch.Tensor, bias=None) -> tuple[torch.Tensor, torch.Tensor]:
+    x64 = x.double()
+    product, scale = x64 @ w64.t(), x64.abs() @ w64.abs().t()
+    if bias is not None:
+        product, scale = product + bias.double(), scale + bias.double().abs()
+    return product, scale
+
+
+PARITY_SIZES = (1, 2, 3, 4, 8, 16, 64)  # row counts checked (kernels change regime at these), with the largest measured
 
 
 def check_parity(linear, paths: Iterable[str], sizes: Sequence[int]) -> dict[str, float]:
-    """Worst `parity_error` of each path on `linear` over `sizes` (builds missing layouts; a
-    temporary cost)."""
+    """Worst `parity_error` of each path on `linear` over the row counts of `sizes` that are in
+    PARITY_SIZES, the largest, and each path's smallest (builds missing layouts for the check)."""
     weight, held = linear.weight_t.t(), set(linear.layouts)
+    w64 = weight.double()
+    wanted = {n for n in sizes if n in PARITY_SIZES} | {max(sizes)} | {PATHS[p].min_rows for p in paths}
+    checks = {}
+    for n in sorted(wanted):
+        x = _input(n, weight.shape[1], weight.dtype, weight.device, seed=n)
+        checks[n] = (x, _reference(x, w64, linear.bias))
     errors = {}
     for name in paths:
-        fn = PATHS[name].bind(linear.layout(PATHS[name].layout), linear.bias)
-        rows = [n for n in (*sizes, PATHS[name].min_rows) if PATHS[name].min_rows <= n <= PATHS[name].max_rows]
-        inputs = [_input(n, weight.shape[1], weight.dtype, weight.device, seed=n) for n in rows]
-        errors[name] = max(parity_error(fn(x), x, weight, linear.bias) for x in inputs)
+        path = PATHS[name]
+        fn = path.bind(linear.layout(path.layout), linear.bias)
+        errors[name] = max(parity_error(fn(x), x, weight, linear.bias, reference) for n, (x, reference) in checks.items()
+                           if path.min_rows <= n <= path.max_rows)
     linear.release(set(linear.layouts) - held)
     return errors
 
 
-def timer() -> Callable[[], float]:
-    """The clock for comparing paths: with one torch thread, the thread's CPU time (time taken by
-    other jobs on a shared machine does not count); with several, wall time."""
+def timer(device=None) -> Callable[[], float]:
+    """The clock for comparing paths: on CUDA, `eval.timing.device_clock` (synchronised); on the CPU
+    with one torch thread, the thread's CPU time (time other jobs take on a shared machine does not
+    count); with several threads, wall time."""
+    if on_cuda(device):
+        return device_clock(device)
     return time.thread_time if torch.get_num_threads() == 1 else time.perf_counter
+
+
+def clock_name(device=None) -> str:
+    """What `timer(device)` reads, for reports."""
+    if on_cuda(device):
+        return "wall (CUDA synchronised)"
+    return "thread CPU time" if torch.get_num_threads() == 1 else "wall"
 
 
 STREAM_BYTES = 64 * 2**20  # a site is timed over enough layers to stream at least this much (beyond caches)
@@ -184,7 +210,7 @@ def measure_sites(sites: Mapping[str, Sequence], sizes: Sequence[int], candidate
     up to STREAM_BYTES (so the weights come from memory, not cache) and scaled to all its layers.
     Layouts a candidate needs are built for the measurement and released afterwards unless a layer
     already held them. candidates: {site: paths}. Returns {site: {path: {n: seconds}}}."""
-    clock = timer()
+    clock = timer(next(iter(sites.values()))[0].weight_t.device)
     times: dict[str, dict[str, dict[int, float]]] = {}
     for site, linears in sites.items():
         weight = linears[0].weight_t

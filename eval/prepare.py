@@ -13,6 +13,7 @@ import copy
 import logging
 import math
 import time
+from dataclasses import dataclass
 from typing import Mapping, Sequence
 
 import torch
@@ -90,13 +91,13 @@ def _linears(lean: LeanLlama):
 
 
 def snapshot(lean: LeanLlama) -> list:
-    """The installed per-row-count callables of every linear layer (`install` puts them back)."""
-    return [(linear, linear.table) for linear in _linears(lean)]
+    """What every linear layer runs per row count (`install` puts it back)."""
+    return [(linear, linear.table, linear.needed, linear.plan) for linear in _linears(lean)]
 
 
 def install(tables: list) -> None:
-    for linear, table in tables:
-        linear.table = table
+    for linear, table, needed, plan in tables:
+        linear.table, linear.needed, linear.plan = table, needed, plan
 
 
 @torch.no_grad()
@@ -104,9 +105,9 @@ def forward_costs(variants: Mapping[str, tuple[LeanLlama, list]], prompt: torch.
                   repeats: int = 5) -> dict[str, dict[int, float]]:
     """Seconds of one forward over n new tokens (a chain) after `prompt`, per variant and n: the
     minimum over `repeats` rounds, every variant and size timed in turn within a round, on
-    `linear_paths.timer` (CPU time with one thread). A variant is (model, `snapshot` of the tables
-    to run with)."""
-    clock = linear_paths.timer()
+    `linear_paths.timer` (CPU time with one thread). A variant is (model, `snapshot` of what its
+    linear layers run)."""
+    clock = linear_paths.timer(next(iter(variants.values()))[0].embedding.device)
     caches = {}
     for name, (lean, tables) in variants.items():
         install(tables)
@@ -132,64 +133,102 @@ def _in_dtype(model: nn.Module, dtype: torch.dtype) -> nn.Module:
     return copy.deepcopy(model).to(dtype).eval()
 
 
-def prepare_target(hf_model: nn.Module, runtime: RuntimeConfig, sizes: Sequence[int], prompt: torch.Tensor,
-                   max_seq_len: int) -> tuple[LeanLlama, nn.Module, dict]:
-    """Build the lean target for a run. Returns (lean forward, the transformers model in the same
-    dtype for `generate`, report fields {"dtype": ..., "linear_paths": ...})."""
-    start = time.perf_counter()
+@dataclass
+class Candidate:
+    """The target built in one dtype: the transformers model, its lean forward, what the linear
+    layers run with the default rule and with the chosen paths, and the path report."""
+
+    model: nn.Module
+    lean: LeanLlama
+    default: list
+    chosen: list | None = None
+    paths: dict | None = None
+
+
+def build_candidates(hf_model: nn.Module, runtime: RuntimeConfig, sizes: Sequence[int],
+                     max_seq_len: int) -> tuple[dict[str, Candidate], str]:
+    """One Candidate per dtype `runtime.dtype` allows, each with its paths (`runtime.linear_paths`:
+    measured, forced or the default rule). Returns ({dtype name: Candidate}, why these dtypes)."""
     device = next(hf_model.parameters()).device
     dtypes, reason = candidate_dtypes(runtime.dtype, next(hf_model.parameters()).dtype, device)
     mode = runtime.linear_paths
     if mode not in ("default", "auto") and mode not in linear_paths.PATHS:
         raise ValueError(f"runtime.linear_paths must be default, auto or one of {sorted(linear_paths.PATHS)}; "
                          f"got {mode!r}")
-    sizes = sorted({1, *sizes})
-    built, variants, paths_report = {}, {}, {}
+    built = {}
     for dtype in dtypes:
-        name = dtype_name(dtype)
         model = _in_dtype(hf_model, dtype)
         lean = LeanLlama.from_hf(model, max_seq_len=max_seq_len, attention=runtime.attention,
                                  fuse_projections=runtime.fuse_projections, pack_multi_row=runtime.pack_multi_row)
-        built[name] = (model, lean)
-        variants[f"{name}/default"] = (lean, snapshot(lean))
+        candidate = built[dtype_name(dtype)] = Candidate(model, lean, snapshot(lean))
         if mode == "auto":
-            paths_report[name] = linear_paths.select_paths(lean, sizes, repeats=runtime.linear_paths_repeats,
-                                                           budget=runtime.linear_paths_budget, trim=False)
+            candidate.paths = linear_paths.select_paths(lean, sizes, repeats=runtime.linear_paths_repeats,
+                                                        budget=runtime.linear_paths_budget, trim=False)
         elif mode != "default":
             linear_paths.force_path(lean, mode)
         if mode != "default":
-            variants[f"{name}/chosen"] = (lean, snapshot(lean))
-    measure = len(dtypes) > 1 or mode == "auto"
-    curves = forward_costs(variants, prompt, sizes, runtime.linear_paths_repeats) if measure else {}
+            candidate.chosen = snapshot(lean)
+    return built, reason
+
+
+def curve_variants(built: Mapping[str, Candidate]) -> dict[str, tuple[LeanLlama, list]]:
+    """`forward_costs` variants: "<dtype>/default" and, where paths were chosen, "<dtype>/chosen"."""
+    variants = {}
+    for name, candidate in built.items():
+        variants[f"{name}/default"] = (candidate.lean, candidate.default)
+        if candidate.chosen is not None:
+            variants[f"{name}/chosen"] = (candidate.lean, candidate.chosen)
+    return variants
+
+
+def finish(built: Mapping[str, Candidate], curves: Mapping[str, Mapping[int, float]], runtime: RuntimeConfig,
+           sizes: Sequence[int], reason: str, seconds: float = 0.0) -> tuple[LeanLlama, nn.Module, dict]:
+    """Keep the dtype whose decode step plus one verification (`verify_size`) measured faster in
+    `curves`, install its paths, drop the layouts they do not use. Returns (lean forward, the
+    transformers model in the same dtype, report fields {"dtype": ..., "linear_paths": ...})."""
     step = verify_size(runtime, sizes)
-    kind = "default" if mode == "default" else "chosen"
-    costs = {name: curves[f"{name}/{kind}"][1] + curves[f"{name}/{kind}"][step] for name in built} if curves else {}
-    chosen = min(costs, key=costs.get) if len(costs) > 1 else dtype_name(dtypes[0])
-    model, lean = built[chosen]
-    install(variants[f"{chosen}/{kind}"][1])
-    for linear in _linears(lean):
+    kind = {name: "default" if c.chosen is None else "chosen" for name, c in built.items()}
+    costs = {name: curves[f"{name}/{kind[name]}"][1] + curves[f"{name}/{kind[name]}"][step] for name in built} \
+        if curves else {}
+    chosen = min(costs, key=costs.get) if len(costs) > 1 else next(iter(built))
+    candidate = built[chosen]
+    install(candidate.chosen or candidate.default)
+    for linear in _linears(candidate.lean):
         linear.trim()
-    for name, report in paths_report.items():
-        if name == chosen:
-            report["memory_mb"]["held_after"] = linear_paths.held_bytes(lean.linear_sites()) / 2**20
+    if candidate.paths:
+        candidate.paths["memory_mb"]["held_after"] = linear_paths.held_bytes(candidate.lean.linear_sites()) / 2**20
     dtype_report = {"setting": runtime.dtype, "chosen": chosen, "reason": reason}
     if len(costs) > 1:
         dtype_report.update(verify_size=step, decode_plus_verify_ms={k: 1e3 * v for k, v in costs.items()})
         log.info("runtime dtype %s: decode + verify(%d) %s", chosen, step,
                  {k: f"{1e3 * v:.1f} ms" for k, v in costs.items()})
     fields = {"dtype": dtype_report}
-    if measure:
+    if curves:
+        paths_report = {name: c.paths for name, c in built.items() if c.paths}
         fields["linear_paths"] = {
-            "setting": mode, "dtype": chosen, "threads": torch.get_num_threads(),
-            "clock": "thread CPU time" if torch.get_num_threads() == 1 else "wall",
+            "setting": runtime.linear_paths, "dtype": chosen, "threads": torch.get_num_threads(),
+            "clock": linear_paths.clock_name(candidate.lean.embedding.device),
             "verify_curve_ms": {k: {n: 1e3 * t for n, t in row.items()} for k, row in curves.items()},
             "relative": {k: {n: t / row[1] for n, t in row.items()} for k, row in curves.items()},
             **({"by_dtype": paths_report} if paths_report else {}),
-            "seconds": time.perf_counter() - start,
+            "seconds": seconds,
         }
-        if paths_report:
-            log.info("linear paths (%s) per row count: %s", chosen, summary(paths_report[chosen]["chosen"]))
-    return lean, model, fields
+        if candidate.paths:
+            log.info("linear paths (%s) per row count: %s", chosen, summary(candidate.paths["chosen"]))
+    return candidate.lean, candidate.model, fields
+
+
+def prepare_target(hf_model: nn.Module, runtime: RuntimeConfig, sizes: Sequence[int], prompt: torch.Tensor,
+                   max_seq_len: int) -> tuple[LeanLlama, nn.Module, dict]:
+    """Build the lean target for a run (`build_candidates`, cost curves when there is a choice or
+    paths were measured, `finish`). Returns (lean forward, the transformers model in the same dtype
+    for `generate`, report fields)."""
+    start = time.perf_counter()
+    sizes = sorted({1, *sizes})
+    built, reason = build_candidates(hf_model, runtime, sizes, max_seq_len)
+    measure = len(built) > 1 or runtime.linear_paths == "auto"
+    curves = forward_costs(curve_variants(built), prompt, sizes, runtime.linear_paths_repeats) if measure else {}
+    return finish(built, curves, runtime, sizes, reason, time.perf_counter() - start)
 
 
 def summary(chosen: Mapping[str, Mapping[int, str]]) -> dict[int, str]:

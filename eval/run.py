@@ -246,13 +246,15 @@ def summarize(results: list[GenerationResult], reference: list[list[int]] | None
 def evaluate(target, prompts: Sequence[Sequence[int]], drafter_specs: Sequence[str] | None = None,
              runtime: RuntimeConfig = RuntimeConfig(), head=None, head_config=None,
              out_dir: str | Path = "runs/eval", progress: bool = True,
-             eos_token_ids: Sequence[int] | None = None) -> dict:
+             eos_token_ids: Sequence[int] | None = None, prepared: tuple | None = None) -> dict:
     """Measure every drafter in `drafter_specs` (default runtime.drafters) on `prompts` (token id
     lists) with the target (a `heads.target.FrozenTarget`; `head` an EagleHead, Eagle3Head or
     MedusaHeads, or None for head-free drafters only). The head drafts over the vocabulary it
     carries; one without (saved before heads stored one, or trained with heads.draft_vocab_size=0)
-    drafts over the full vocabulary, with a warning. Writes report.json, report.md and PNG plots
-    to out_dir; logs to W&B when a run is active. Returns the report dict."""
+    drafts over the full vocabulary, with a warning. prepared: (lean forward, transformers model,
+    report fields) from `eval.prepare` (default: built here from the runtime's dtype and linear-path
+    settings). Writes report.json, report.md and PNG plots to out_dir; logs to W&B when a run is
+    active. Returns the report dict."""
     from tqdm import tqdm
 
     if runtime.threads:
@@ -268,7 +270,9 @@ def evaluate(target, prompts: Sequence[Sequence[int]], drafter_specs: Sequence[s
     longest_tree = max([fixed or 0, *runtime.tree_auto_sizes, *runtime.tree_sweep, 64])
     max_len = max(p.shape[0] for p in prompts) + runtime.max_new_tokens + longest_tree + 8
     specs = list(drafter_specs or runtime.drafters)
-    lean, hf_model, setup = prepare_target(target.model, runtime, runtime_sizes(runtime, specs), prompts[0], max_len)
+    if prepared is None:
+        prepared = prepare_target(target.model, runtime, runtime_sizes(runtime, specs), prompts[0], max_len)
+    lean, hf_model, setup = prepared
     vocabulary = _vocabulary_note(head) if head is not None else None
     methods, extra = build_methods(specs, runtime, lean, head, prompts, eos_token_ids, progress)
     if vocabulary is not None:
