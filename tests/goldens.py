@@ -50,7 +50,8 @@ PENDING = {
 # the EAGLE loss by at most 1.3e-7 relative, AVX2 kernels instead of AVX-512 ones by 1.6e-6, and
 # no held-out top-1 moved (one flipped position is 0.001 of the EAGLE golden's 1025). The limits
 # sit ~600x above that, so CPUs and BLAS builds pass, while any change to the recipe's settings
-# or its numerics (learning rate, schedule, loss, data order) fails.
+# or its numerics (learning rate, schedule, loss, data order) fails: the EAGLE default's learning
+# rate x0.5 moves its loss by up to 0.21 relative (step 3; held-out top-1 by 0.008), x100 by 1e5.
 LOSS_RTOL = 1e-3  # per step, relative to the golden loss
 TOP1_ATOL = 0.01  # held-out top-1 per draft step / head, absolute
 
