@@ -41,14 +41,27 @@ def test_medusa_counts_independent_blocks_and_lm_heads():
     assert head_parameter_counts(job) == (3 * 2 * (D * D + D), V * D)
 
 
-@pytest.mark.parametrize("recipe", ["eagle_llama3_70b", "eagle_llama3_8b", "medusa_vicuna_7b"])
-def test_recipe_plans_print(recipe):
-    text = format_plan(make_plan(compose_job([f"+recipe={recipe}"])))
+@pytest.mark.parametrize("recipe", ["eagle_llama3_70b", "eagle_llama3_8b", "medusa_vicuna_7b", "eagle3_smollm2_135m",
+                                    "eagle3_smollm2_135m_long"])
+@pytest.mark.parametrize("extra", [[], ["data.mode=offline"]])
+def test_recipe_plans_print(recipe, extra):
+    text = format_plan(make_plan(compose_job([f"+recipe={recipe}", *extra])))
     assert "head parameters" in text and "optimizer states" in text and "steps per epoch" in text
+    assert ("feature cache on disk" in text) == (compose_job([f"+recipe={recipe}", *extra]).data.mode == "offline")
+
+
+def test_eagle3_70b_head_and_training_fit_offline():
+    plan = make_plan(compose_job(["+recipe=eagle_llama3_70b"]), cache_dir="/")
+    assert plan.head_type == "eagle3"
+    D, I, V, Vd = 8192, 28672, 128256, 32000
+    layer = 2 * D * (64 + 2 * 8) * 128 + 64 * 128 * D + 3 * D * I  # q/k/v read 2D columns
+    assert plan.trainable_parameters == 3 * D * D + layer + 4 * D + Vd * D  # fc [D, 3D], 4 norms, draft lm_head
+    assert plan.frozen_head_parameters == 2 * V * D
+    assert not any("training needs" in p for p in plan.problems)
 
 
 def test_eagle_70b_head_is_about_one_billion_and_training_fits_offline():
-    plan = make_plan(compose_job(["+recipe=eagle_llama3_70b"]), cache_dir="/")
+    plan = make_plan(compose_job(["+recipe=eagle_llama3_70b", "heads=eagle"]), cache_dir="/")
     assert 0.95e9 < plan.trainable_parameters < 1.05e9  # fc 134M + attention 168M + MLP 705M
     assert plan.feature_extraction and plan.cache_bytes > 100e9  # hundreds of GB of hidden states
     assert not any("training needs" in p for p in plan.problems)
@@ -125,10 +138,11 @@ def test_offline_eagle_training_counts_the_target_layers_loaded_beside_the_cache
 
     layer = LlamaDecoderLayer(tiny_llama_config(), layer_idx=0)
     assert decoder_layer_parameter_count(_tiny_arch()) == sum(p.numel() for p in layer.parameters())
-    plan = make_plan(compose_job(["+recipe=eagle_llama3_70b", "heads.eagle.init_layer=-1"]), cache_dir="/")
+    plan = make_plan(compose_job(["+recipe=eagle_llama3_70b", "heads=eagle", "heads.eagle.init_layer=-1"]),
+                     cache_dir="/")
     layers = next(item for item in plan.training if item.name == "target decoder layers")
     assert layers.gigabytes == pytest.approx(2 * 0.856e9 * 2 / 1e9, rel=0.01)  # layers 0 and 79 in bf16
-    plan = make_plan(compose_job(["+recipe=eagle_llama3_70b"]), cache_dir="/")  # random init: layer 0 only
+    plan = make_plan(compose_job(["+recipe=eagle_llama3_70b", "heads=eagle"]), cache_dir="/")  # random init: layer 0
     layers = next(item for item in plan.training if item.name == "target decoder layers")
     assert layers.gigabytes == pytest.approx(0.856e9 * 2 / 1e9, rel=0.01)
     medusa = make_plan(compose_job(["+recipe=medusa_vicuna_7b", "data.mode=offline"]), cache_dir="/")
@@ -137,16 +151,14 @@ def test_offline_eagle_training_counts_the_target_layers_loaded_beside_the_cache
 
 def test_eagle3_feature_cache_holds_three_aux_layers_and_the_final_state():
     eagle = make_plan(compose_job(["+recipe=eagle_llama3_70b", "heads=eagle"]), cache_dir="/")
-    eagle3 = make_plan(compose_job(["+recipe=eagle_llama3_70b", "heads=eagle3"]), cache_dir="/")
+    eagle3 = make_plan(compose_job(["+recipe=eagle_llama3_70b", "heads.eagle3.ttt_steps=3"]), cache_dir="/")
     assert (eagle.cache_layers, eagle3.cache_layers) == (1, 4)
     assert eagle3.cache_bytes == pytest.approx(4 * eagle.cache_bytes, rel=1e-3)  # ids and mask are per token
     assert "4 layer(s) per token" in format_plan(eagle3)
     layers = {item.name: item for item in eagle3.training}["target decoder layers"]
     assert layers.gigabytes == pytest.approx(0.856e9 * 2 / 1e9, rel=0.01)  # layer 0's shape only
-    two = make_plan(compose_job(["+recipe=eagle_llama3_70b", "heads=eagle3", "heads.eagle3.aux_layer_ids=[10,40]"]),
-                    cache_dir="/")
+    two = make_plan(compose_job(["+recipe=eagle_llama3_70b", "heads.eagle3.aux_layer_ids=[10,40]"]), cache_dir="/")
     assert two.cache_layers == 3
-    longer = make_plan(compose_job(["+recipe=eagle_llama3_70b", "heads=eagle3", "heads.eagle3.ttt_steps=7"]),
-                       cache_dir="/")
+    longer = make_plan(compose_job(["+recipe=eagle_llama3_70b"]), cache_dir="/")  # the recipe's 7 steps
     activations = lambda plan: {i.name: i.gigabytes for i in plan.training}["activations"]  # noqa: E731
     assert activations(longer) > 2 * activations(eagle3)  # every unrolled step keeps its activations

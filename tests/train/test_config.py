@@ -50,8 +50,20 @@ def test_70b_recipe_numbers():
     assert (arch.hidden_size, arch.num_hidden_layers, arch.num_attention_heads, arch.num_key_value_heads,
             arch.intermediate_size, arch.vocab_size) == (8192, 80, 64, 8, 28672, 128256)
     assert job.deepspeed.enabled and job.deepspeed.zero_stage == 2
-    assert job.trainer.learning_rate == pytest.approx(3e-5)
     assert job.data.max_length == 2048 and job.data.mode == "offline"
+    assert job.heads.type == "eagle3" and job.heads.eagle3.ttt_steps == 7 and job.heads.draft_vocab_size == 32000
+    assert job.trainer.learning_rate == pytest.approx(5e-5) and job.trainer.warmup_ratio == pytest.approx(0.06)
+
+
+@pytest.mark.parametrize("recipe", ["eagle_llama3_8b", "eagle_llama3_70b"])
+def test_big_eagle_recipes_train_eagle1_one_override_away(recipe):
+    """heads=eagle switches the head and, with it, the trainer group to the EAGLE-1/2 reference's."""
+    job = compose_job([f"+recipe={recipe}", "heads=eagle"])
+    assert job.heads.type == "eagle" and job.recipe == recipe
+    assert job.trainer.learning_rate == pytest.approx(3e-5) and job.trainer.warmup_ratio == pytest.approx(0.01)
+    assert job.trainer.max_grad_norm == 0.5 and job.trainer.mixed_precision == "bf16"
+    assert job.heads.draft_vocab_size == 0  # the full vocabulary, as the EAGLE-1/2 reference trains it
+    assert compose_job(["heads=eagle", f"+recipe={recipe}"]).heads.type == "eagle"  # either order
 
 
 @pytest.mark.parametrize("override, key", [
