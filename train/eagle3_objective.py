@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from train.losses import chain_attention_mask, draft_vocab_teacher, eagle3_loss, eagle_position_mask, shift_left
+from train.losses import draft_vocab_teacher, eagle3_loss, eagle_position_mask, shift_left
 from train.objectives import FrozenParts
 
 
@@ -31,31 +31,63 @@ def split_features(features: torch.Tensor, num_aux: int) -> tuple[torch.Tensor, 
     return features[..., : num_aux * width], features[..., num_aux * width:]
 
 
+def row_index(counted: torch.Tensor) -> torch.Tensor:
+    """counted (B, n) bool -> (B, n) long: the index of each counted chain among counted[counted]
+    (row-major), -1 elsewhere. Chain t at step j is scored at the target's position t+1+j, which
+    is step 0's chain t+j: its row is shift_left(row_index, j)[t]."""
+    rows = counted.flatten().long().cumsum(0).view_as(counted) - 1
+    return torch.where(counted, rows, -1)
+
+
 def teacher_rows(final: torch.Tensor, base: torch.Tensor, lm_head_weight: torch.Tensor, t2d: torch.Tensor,
-                 chunk_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                 chunk_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The target's draft-vocabulary logits once per batch, for every step: final (B, T, D), base
-    (B, T-1) bool step 0's counted chains. Chain t at step j is scored at the target's position
-    t+1+j, which is step 0's chain t+j, so step j reads row shift_left(row_of, j).
-    Returns (logits (N, Vd), in_vocab (N,) bool, row_of (B, T-1) long: -1 where not counted)."""
-    logits, in_vocab = draft_vocab_teacher(final[:, 1:][base], lm_head_weight, t2d, chunk_size)
-    row_of = base.flatten().long().cumsum(0).view_as(base) - 1
-    return logits, in_vocab, torch.where(base, row_of, -1)
+    (B, T-1) bool step 0's counted chains -> (logits (N, Vd), in_vocab (N,) bool), rows in
+    `row_index(base)` order."""
+    return draft_vocab_teacher(final[:, 1:][base], lm_head_weight, t2d, chunk_size)
 
 
-def ttt_unroll(head: nn.Module, parts: FrozenParts, ids: torch.Tensor, hidden: torch.Tensor, steps: int):
-    """Yield (j, out (B, n, D)) for j < steps: chain t at step j reads x_{t+1+j} at position t+j
-    and its own step j-1 output (step 0: `hidden` (B, n, D) = fc(aux_t)); it attends to the true
-    context (step-0 entries <= t) and its own chain. ids (B, T); n = T-1."""
+def later_chains(counted: torch.Tensor, steps: int) -> torch.Tensor:
+    """counted (B, n) bool, step 0's counted chains -> (B, A) long: per row, the chains that count
+    at some step 1..steps-1 (t with counted[t+j]) first, in order, then the others as padding;
+    A = the most such chains in a row (at least 1)."""
+    later = torch.zeros_like(counted)
+    for j in range(1, steps):
+        later |= shift_left(counted, j)
+    width = max(1, int(later.sum(-1).max()))
+    order = torch.sort((~later).to(torch.int8), dim=-1, stable=True).indices  # counted-later chains first
+    return order[:, :width]
+
+
+def ttt_unroll(head: nn.Module, parts: FrozenParts, ids: torch.Tensor, hidden: torch.Tensor, steps: int,
+               counted: torch.Tensor):
+    """Yield (j, chains (B, A_j) long, out (B, A_j, D), valid (B, A_j) bool) for j < steps.
+
+    Step 0 runs every position t < n = T-1: input x_{t+1}, hidden (B, n, D) = fc(aux_t), causal
+    (chains = 0..n-1). Later steps run only the chains that count at some later step
+    (`later_chains`; the others would cost compute and score nothing): chain t at step j reads
+    x_{t+1+j} at position t+j and its own step j-1 output, and attends to the true context
+    (step-0 entries <= t) and its own entries of steps 1..j. valid: chain t counts at step j
+    (counted[t+j], counted (B, n) bool being step 0's counted chains)."""
     B, T = ids.shape
     n = T - 1
-    positions = torch.arange(n, device=ids.device).expand(B, n)
-    past = None
-    for j in range(max(1, min(steps, n))):
-        tokens = shift_left(ids[:, 1:], j)  # (B, n) x_{t+1+j}, zeros past the end
-        out, past = head(parts.embed(tokens).to(hidden.dtype), hidden, positions + j,
-                         attention_mask=chain_attention_mask(n, j, ids.device), past_key_values=past,
-                         use_cache=steps > 1)  # (B, n, D)
-        yield j, out
+    steps = max(1, min(steps, n))
+    chains = torch.arange(n, device=ids.device).expand(B, n)
+    out, past = head(parts.embed(ids[:, 1:]).to(hidden.dtype), hidden, chains, use_cache=steps > 1)  # (B, n, D)
+    yield 0, chains, out, counted
+    if steps == 1:
+        return
+    chains = later_chains(counted, steps)  # (B, A)
+    A, D = chains.shape[1], out.shape[-1]
+    hidden = out.gather(1, chains[..., None].expand(B, A, D))  # (B, A, D), gradient kept
+    context = torch.arange(n, device=ids.device) <= chains[..., None]  # (B, A, n) keys s <= t
+    own = torch.eye(A, dtype=torch.bool, device=ids.device).expand(B, A, A)
+    for j in range(1, steps):
+        tokens = shift_left(ids[:, 1:], j).gather(1, chains)  # (B, A) x_{t+1+j}
+        mask = torch.cat([context] + [own] * j, -1)[:, None]  # (B, 1, A, n + A·j)
+        out, past = head(parts.embed(tokens).to(hidden.dtype), hidden, chains + j, attention_mask=mask,
+                         past_key_values=past, use_cache=True)  # (B, A, D)
+        yield j, chains, out, shift_left(counted, j).gather(1, chains)
         hidden = out
 
 
@@ -70,13 +102,13 @@ def eagle3_step(head: nn.Module, parts: FrozenParts, batch: dict, features: torc
     ids = batch["input_ids"]  # (B, T)
     aux, final = split_features(features, len(config.aux_layer_ids))
     base = eagle_position_mask(batch["loss_mask"], batch["attention_mask"])  # (B, n)
-    teacher, in_vocab, row_of = teacher_rows(final, base, parts.lm_head_weight, module.t2d, chunk_size)
+    teacher, in_vocab = teacher_rows(final, base, parts.lm_head_weight, module.t2d, chunk_size)
+    row_of = row_index(base)  # (B, n)
     hidden = module.project(aux[:, :-1])  # (B, n, D) h_t
     states, rows = [], []
-    for j, out in ttt_unroll(head, parts, ids, hidden, steps):
-        valid = shift_left(base, j)  # (B, n) chain t counts iff x_{t+2+j} is an assistant token
-        states.append(module.norm(out[valid]))  # (N_j, D)
-        rows.append(shift_left(row_of, j)[valid])  # (N_j,) its teacher rows
+    for j, chains, out, valid in ttt_unroll(head, parts, ids, hidden, steps, base):
+        states.append(module.norm(out[valid]))  # (N_j, D), chain t counts iff x_{t+2+j} is an assistant token
+        rows.append(shift_left(row_of, j).gather(1, chains)[valid])  # (N_j,) its teacher rows
     result = eagle3_loss(states, module.lm_head.weight, teacher, in_vocab, rows, decay, chunk_size)
     result["positions"] = int(base.sum())
     return result

@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from train.eagle3_objective import split_features, ttt_unroll
+from train.eagle3_objective import row_index, split_features, ttt_unroll
 from train.losses import chain_attention_mask, eagle_position_mask, medusa_position_mask, shift_left
 from train.objectives import FrozenParts
 
@@ -102,22 +102,24 @@ def eagle_eval_counts(head: nn.Module, parts: FrozenParts, batch: dict, features
 def eagle3_eval_counts(head: nn.Module, parts: FrozenParts, batch: dict, features: torch.Tensor,
                        steps: int, truths: list | None = None) -> torch.Tensor:
     """(steps, 3) float counts of [top-1 hits, top-5 hits, positions] for one batch; features
-    (B, T, (n+1)·Ht) as train/eagle3_objective.feature_layers orders them (`truths`: as for EAGLE)."""
+    (B, T, (n+1)·Ht) as train/eagle3_objective.feature_layers orders them (`truths`: as for EAGLE;
+    it keeps one tensor, the target's greedy tokens at every counted position)."""
     module = getattr(head, "module", head)
     ids = batch["input_ids"]  # (B, T)
     counts = torch.zeros(steps, 3, device=ids.device)
     aux, final = split_features(features, len(module.config.aux_layer_ids))
     base_mask = eagle_position_mask(batch["loss_mask"], batch["attention_mask"])  # (B, n)
-    for j, out in ttt_unroll(head, parts, ids, module.project(aux[:, :-1]), steps):
-        valid = shift_left(base_mask, j)
-        if truths is None or len(truths) <= j:
-            truth = _greedy(shift_left(final[:, 1:], j)[valid], parts.lm_head_weight)  # argmax at f_{t+1+j}
-            if truths is not None:
-                truths.append(truth)
-        else:
-            truth = truths[j]
-        logits = module.logits(out[valid])  # (N, Vd)
-        top = module.to_target_ids(logits.topk(min(5, logits.shape[-1]), dim=-1).indices)  # (N, 5) target ids
+    if truths:
+        greedy = truths[0]
+    else:
+        greedy = _greedy(final[:, 1:][base_mask], parts.lm_head_weight)  # (N,) argmax at f_{t+1}
+        if truths is not None:
+            truths.append(greedy)
+    row_of = row_index(base_mask)  # (B, n)
+    for j, chains, out, valid in ttt_unroll(head, parts, ids, module.project(aux[:, :-1]), steps, base_mask):
+        truth = greedy[shift_left(row_of, j).gather(1, chains)[valid]]  # argmax at f_{t+1+j}
+        logits = module.logits(out[valid])  # (N_j, Vd)
+        top = module.to_target_ids(logits.topk(min(5, logits.shape[-1]), dim=-1).indices)  # (N_j, 5) target ids
         counts[j] += torch.stack([(top[:, 0] == truth).sum(), (top == truth[:, None]).any(-1).sum(),
                                   torch.tensor(truth.shape[0], device=ids.device)]).to(counts)
     return counts

@@ -4,7 +4,7 @@ import torch.nn.functional as F
 
 from data.collate import collate
 from heads.eagle3 import Eagle3Config, Eagle3Head, init_from_target
-from train.eagle3_objective import eagle3_step, feature_layers, split_features, ttt_unroll
+from train.eagle3_objective import eagle3_step, feature_layers, later_chains, row_index, split_features, ttt_unroll
 from train.losses import draft_vocab_teacher, eagle3_loss
 from train.objectives import FrozenParts, OnlineFeatures
 from tests.tiny import tiny_target
@@ -82,6 +82,16 @@ def test_feature_layers_and_split():
         split_features(torch.zeros(1, 2, 7), 2)
 
 
+def test_later_steps_run_only_the_chains_they_score():
+    counted = torch.tensor([[0, 0, 1, 1, 0, 0, 1, 0], [0, 0, 0, 0, 0, 1, 0, 0]], dtype=torch.bool)
+    # steps 1..2 score chain t when counted[t+1] or counted[t+2]
+    chains = later_chains(counted, 3)
+    assert chains[0].tolist() == [0, 1, 2, 4, 5]
+    assert chains[1, :2].tolist() == [3, 4] and len(set(chains[1].tolist())) == 5  # then padding chains
+    assert later_chains(counted, 1).shape == (2, 1)
+    assert row_index(counted).tolist() == [[-1, -1, 0, 1, -1, -1, 2, -1], [-1, -1, -1, -1, -1, 3, -1, -1]]
+
+
 def test_step_matches_a_chain_by_chain_draft_loop(target):
     """Ids, positions, targets and the loss mask shift by one per step; out-of-vocab positions are
     left out of the loss and counted; steps weigh decay**j."""
@@ -125,7 +135,8 @@ def test_gradients_flow_through_the_fed_back_hidden(target):
     features = OnlineFeatures(target, feature_layers(AUX))(batch)
     parts = FrozenParts.from_target(target)
     aux, _ = split_features(features, len(AUX))
-    outs = [out for _, out in ttt_unroll(head, parts, batch["input_ids"], head.project(aux[:, :-1]), 2)]
+    counted = torch.ones(2, 13, dtype=torch.bool)
+    outs = [out for _, _, out, _ in ttt_unroll(head, parts, batch["input_ids"], head.project(aux[:, :-1]), 2, counted)]
     (grad,) = torch.autograd.grad(outs[1].sum(), outs[0], retain_graph=True)
     assert grad.abs().sum() > 0  # step 1 depends on step 0's output through its hidden input
     out = eagle3_step(head, parts, batch, features, steps=3, decay=0.8, chunk_size=8)
