@@ -185,7 +185,8 @@ def write_feature_cache(directory: str | os.PathLike, target: FeatureTarget, row
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     hidden_size = hidden_size or target.hidden_size
-    spec = CacheSpec(layers=list(layers), hidden_size=hidden_size, dtype=dtype, shard_records=shard_records,
+    layers = list(dict.fromkeys(layers))  # a layer asked for twice (small targets' EAGLE-3 defaults) is stored once
+    spec = CacheSpec(layers=layers, hidden_size=hidden_size, dtype=dtype, shard_records=shard_records,
                      top_k=top_k, num_records=len(rows), target=dict(target_fingerprint or {}))
     if rank == 0:
         _check_spec(directory, spec)

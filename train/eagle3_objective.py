@@ -13,13 +13,13 @@ import torch
 from torch import nn
 
 from train.losses import draft_vocab_teacher, eagle3_loss, eagle_position_mask, shift_left
-from train.objectives import FrozenParts
+from train.objectives import FINAL, FrozenParts
 
 
-def feature_layers(aux_layer_ids) -> list[int]:
-    """The target layers EAGLE-3 reads, in the order its features are concatenated: the aux
-    streams (transformers' hidden_states numbering) and -1, the final post-norm state."""
-    return [*aux_layer_ids, -1]
+def feature_layers(aux_layer_ids) -> tuple[int, ...]:
+    """The target states EAGLE-3 reads, in the order its features are concatenated: the aux
+    streams (transformers' hidden_states numbering) and FINAL, the final post-norm state."""
+    return (*aux_layer_ids, FINAL)
 
 
 def split_features(features: torch.Tensor, num_aux: int) -> tuple[torch.Tensor, torch.Tensor]:

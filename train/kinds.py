@@ -22,12 +22,14 @@ from typing import Iterable, Protocol
 import torch
 from torch import nn
 
-from heads.config import EagleOptions, HeadsConfig, MedusaOptions
+from heads.config import Eagle3Options, EagleOptions, HeadsConfig, MedusaOptions
 from heads.eagle import EagleConfig, init_from_target as init_eagle, set_fc_by_ridge
+from heads.eagle3 import Eagle3Config, default_aux_layer_ids, init_from_target as init_eagle3
 from heads.io import build_head
 from heads.medusa import MedusaConfig, init_from_target as init_medusa
 from heads.vocab import set_draft_vocab
-from train.evaluate import eagle_eval_counts, medusa_eval_counts
+from train.eagle3_objective import eagle3_step, feature_layers as eagle3_feature_layers
+from train.evaluate import eagle3_eval_counts, eagle_eval_counts, medusa_eval_counts
 from train.objectives import FINAL, FeatureSource, FrozenParts, eagle_step, medusa_step, ridge_sums
 
 log = logging.getLogger(__name__)
@@ -182,7 +184,61 @@ class MedusaKind:
         return medusa_eval_counts(head, parts, batch, features, truths)
 
 
-KINDS = {"eagle": lambda heads: EagleKind(heads.eagle), "medusa": lambda heads: MedusaKind(heads.medusa)}
+class Eagle3Kind:
+    """EAGLE-3: fc over several target streams, one decoder layer drafting over its own vocabulary,
+    trained by the training-time test (train/eagle3_objective.py)."""
+
+    name, unit, drafters = "eagle3", "step", ("eagle_tree", "eagle_chain")
+
+    def __init__(self, options: Eagle3Options):
+        self.options = options
+
+    def aux_layer_ids(self, num_layers: int) -> list[int]:
+        ids = self.options.aux_layer_ids
+        return list(ids) if ids is not None else default_aux_layer_ids(num_layers)
+
+    def feature_layers(self, num_layers: int) -> tuple[int, ...]:
+        return eagle3_feature_layers(self.aux_layer_ids(num_layers))
+
+    def init_layers(self) -> list[int]:
+        return [0]  # layer 0's shape
+
+    def build(self, target, vocab):
+        """Random fc and decoder layer; the draft lm_head starts as the target's rows of `vocab`
+        and the final norm as the target's."""
+        size = vocab.numel() if vocab is not None else target.vocab_size
+        config = Eagle3Config.from_target(target, draft_vocab_size=size,
+                                          aux_layer_ids=self.aux_layer_ids(target.num_layers),
+                                          norm_before_residual=self.options.norm_before_residual)
+        return init_eagle3(build_head(config), target, vocab), config
+
+    def param_groups(self, head, learning_rate):
+        return [{"params": list(head.parameters())}]
+
+    def prepare(self, head, parts, source, batches, world, reduce):
+        pass
+
+    def step(self, head, parts, batch, features, chunk_size):
+        return eagle3_step(head, parts, batch, features, self.options.ttt_steps, self.options.loss_decay, chunk_size)
+
+    def figures(self, out):
+        """Per unrolled step its loss and top-1; out_of_vocab: the share of step 0's counted
+        positions whose target top-1 lies outside the draft vocabulary (left out of the loss)."""
+        means = {f"loss_step{j}": float(loss) for j, loss in enumerate(out["step_losses"])}
+        rates = {f"top1_step{j}": (float(hits.sum()), float(hits.numel())) for j, hits in enumerate(out["hits"])}
+        rates["out_of_vocab"] = (float(out["out_of_vocab"][0]), float(out["hits"][0].numel()))
+        return means, rates
+
+    @property
+    def eval_rows(self) -> int:
+        return self.options.eval_steps
+
+    def eval_counts(self, head, parts, batch, features, truths):
+        return eagle3_eval_counts(head, parts, batch, features, self.options.eval_steps, truths)
+
+
+KINDS = {"eagle": lambda heads: EagleKind(heads.eagle), "medusa": lambda heads: MedusaKind(heads.medusa),
+         "eagle3": lambda heads: Eagle3Kind(heads.eagle3)}
 
 
 def head_kind(heads: HeadsConfig) -> HeadKind:

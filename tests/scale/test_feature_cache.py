@@ -134,19 +134,22 @@ def _loss_curve(run_dir):
 
 
 @pytest.mark.parametrize("kind,dtype,rel", [("eagle", "float32", 1e-4), ("medusa", "float32", 1e-4),
-                                            ("eagle", "bfloat16", 5e-3)])
+                                            ("eagle", "bfloat16", 5e-3), ("eagle3", "float32", 1e-4)])
 def test_offline_training_matches_online(tmp_path, kind, dtype, rel):
-    """float32 cache: equal up to batch-shape rounding (~1e-6); bf16 cache: measured 2.6e-4."""
+    """float32 cache: equal up to batch-shape rounding (~1e-6); bf16 cache: measured 2.6e-4.
+    EAGLE-3's cache holds its aux layers and the final state."""
+    from train.kinds import head_kind
     from train.loop import train_heads
     from train.offline import OfflineFeatures
 
     target, data = tiny_target(), tiny_data(train=16, held_out=4)
-    cache_dir = tmp_path / "features"
-    write_feature_cache(cache_dir, target, list(data.train) + list(data.eval), dtype=dtype,
-                        shard_records=8, batch_size=5, progress=False)
-    source = OfflineFeatures(FeatureCache(write_index(cache_dir)))
     online = tiny_job(tmp_path / "online", kind, max_steps=4, eval_every=4, save_every=4)
     offline = tiny_job(tmp_path / "offline", kind, max_steps=4, eval_every=4, save_every=4)
+    layers = head_kind(online.heads).feature_layers(target.num_layers)
+    cache_dir = tmp_path / "features"
+    write_feature_cache(cache_dir, target, list(data.train) + list(data.eval), layers=layers, dtype=dtype,
+                        shard_records=8, batch_size=5, progress=False)
+    source = OfflineFeatures(FeatureCache(write_index(cache_dir)), layers)
     train_heads(online, target, data)
     train_heads(offline, target, data, source=source)
     assert _loss_curve(tmp_path / "offline") == pytest.approx(_loss_curve(tmp_path / "online"), rel=rel)
@@ -164,15 +167,16 @@ def test_offline_source_refuses_a_stale_cache(tmp_path):
 
 
 def test_an_aux_layer_cache_serves_what_the_target_gives_online(tmp_path):
-    """EAGLE-3 reads several streams plus the final state, concatenated in the order asked for."""
+    """EAGLE-3 reads several streams plus the final state, concatenated in the order asked for; a
+    stream asked for twice (small targets' default ids repeat) is stored once and served twice."""
     from train.objectives import MemoizedFeatures, OnlineFeatures
     from train.offline import OfflineFeatures
 
     target, rows = tiny_target(num_hidden_layers=4), _rows(5)
-    layers = [2, 0, 3, -1]
+    layers = [2, 0, 3, 2, -1]
     write_feature_cache(tmp_path, target, rows, layers=layers, dtype="float32", shard_records=2, progress=False)
     cache = FeatureCache(write_index(tmp_path))
-    assert cache.layers == layers
+    assert cache.layers == [2, 0, 3, -1]
     picked = [rows[3], rows[1]]
     T = max(len(r["input_ids"]) for r in picked)
     batch = {"input_ids": torch.zeros(2, T, dtype=torch.long), "attention_mask": torch.zeros(2, T, dtype=torch.long),
@@ -182,7 +186,7 @@ def test_an_aux_layer_cache_serves_what_the_target_gives_online(tmp_path):
         batch["attention_mask"][b, :len(r["input_ids"])] = 1
     online = OnlineFeatures(target, layers)(batch)
     offline = OfflineFeatures(cache, layers)(batch)
-    assert online.shape == offline.shape == (2, T, 4 * 64)
+    assert online.shape == offline.shape == (2, T, 5 * 64)
     valid = batch["attention_mask"].bool()
     torch.testing.assert_close(offline[valid], online[valid], rtol=1e-5, atol=1e-5)
     single = target.features(batch["input_ids"][:1], layers=(0,)).hidden[0]

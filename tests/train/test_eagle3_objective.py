@@ -74,7 +74,7 @@ def _reference(head, target, batch, features, steps, decay, evaluation=False):
 
 
 def test_feature_layers_and_split():
-    assert feature_layers([2, 15, 27]) == [2, 15, 27, -1]
+    assert feature_layers([2, 15, 27]) == (2, 15, 27, -1)
     x = torch.arange(2 * 3 * 8.0).view(2, 3, 8)
     aux, final = split_features(x, 3)
     assert aux.shape == (2, 3, 6) and torch.equal(final, x[..., 6:])

@@ -36,7 +36,7 @@ class Recording:
         return self.inner.eval_rows
 
 
-@pytest.mark.parametrize("kind", ["eagle", "medusa"])
+@pytest.mark.parametrize("kind", ["eagle", "eagle3", "medusa"])
 def test_the_loop_runs_each_kind_through_the_protocol(tmp_path, monkeypatch, kind):
     made = []
     real = dict(kinds_module.KINDS)
@@ -52,7 +52,7 @@ def test_the_loop_runs_each_kind_through_the_protocol(tmp_path, monkeypatch, kin
     assert calls["eval_counts"] == 2  # at step 0 and at step 2, one held-out batch each
     assert result.head_type == kind
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    unit = "step" if kind == "eagle" else "head"
+    unit = "head" if kind == "medusa" else "step"
     train_keys = set().union(*(r for r in rows if "train/loss" in r))
     assert f"train/top1_{unit}0" in train_keys
     assert {f"eval/top1_{unit}{i}" for i in range(made[0].eval_rows)} <= set(rows[-1])
@@ -106,7 +106,7 @@ def test_the_loop_refuses_a_source_for_other_layers(tmp_path):
 def test_head_kind_names_the_allowed_types():
     job = tiny_job("x")
     job.heads.type = "nope"
-    with pytest.raises(ValueError, match=r"heads.type='nope' is not one of \['eagle', 'medusa'\]"):
+    with pytest.raises(ValueError, match=r"heads.type='nope' is not one of \['eagle', 'eagle3', 'medusa'\]"):
         head_kind(job.heads)
     eagle = EagleKind(job.heads.eagle)
     job.heads.eagle.init_layer = -1

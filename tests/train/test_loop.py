@@ -33,7 +33,7 @@ def test_lr_schedule():
     assert lr_factor(4 + 4, 4, 20, "cosine") == pytest.approx(0.5 * (1 + math.cos(math.pi / 4)))
 
 
-@pytest.mark.parametrize("kind", ["eagle", "medusa"])
+@pytest.mark.parametrize("kind", ["eagle", "eagle3", "medusa"])
 def test_tiny_training_lowers_the_loss(tmp_path, kind):
     target = tiny_target()
     job = tiny_job(tmp_path, kind, max_steps=24, eval_every=12, save_every=12, learning_rate=1e-2)
