@@ -22,6 +22,13 @@ class KVCache:
         self.length = 0
         self.pending = 0
 
+    @classmethod
+    def over(cls, k: torch.Tensor, v: torch.Tensor) -> "KVCache":
+        """A cache over existing (L, Hkv, S, hd) buffers (one sequence's slice of a `BatchKVCache`)."""
+        cache = cls.__new__(cls)
+        cache.k, cache.v, cache.length, cache.pending = k, v, 0, 0
+        return cache
+
     @property
     def max_length(self) -> int:
         return self.k.shape[2]
