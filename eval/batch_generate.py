@@ -58,11 +58,14 @@ def time_per_output_token(result: GenerationResult) -> float | None:
 
 class BatchDecoder:
     """Up to `capacity` sequences decoding together on `model`. drafter_factory: builds one drafter
-    per sequence slot (None: plain decoding). verification: "lossless" | "typical" (LOSSY)."""
+    per sequence (None: plain decoding); drafter_pool: a list of idle drafters from that factory
+    to draw from and return to (shared by decoders of one drafter). verification: "lossless" |
+    "typical" (LOSSY)."""
 
     def __init__(self, model: LeanLlama, capacity: int, sampling: SamplingConfig = SamplingConfig(),
                  eos_token_ids: Sequence[int] = (), drafter_factory: Callable[[], Drafter] | None = None,
-                 verification: str = "lossless", max_length: int | None = None, clock=None):
+                 verification: str = "lossless", max_length: int | None = None, clock=None,
+                 drafter_pool: list | None = None):
         if verification not in VERIFICATIONS:
             raise ValueError(f"verification must be one of {VERIFICATIONS}, got {verification!r}")
         if capacity < 1:
@@ -72,7 +75,7 @@ class BatchDecoder:
         self.cache = BatchKVCache(model, capacity, max_length)
         self.clock = clock or device_clock(module_device(model))
         self.active: list[Request] = []  # in slot order
-        self._drafters: list[Drafter] = []  # idle drafter instances, reused by later requests
+        self._drafters: list[Drafter] = [] if drafter_pool is None else drafter_pool  # idle, reused by later requests
         self.layers: tuple[int, ...] = ()
 
     @property
@@ -154,6 +157,7 @@ class BatchDecoder:
         proposals = []
         for request in self.active:
             start = self.clock()
+            request.state.batch_size = len(self.active)
             candidates = request.drafter.propose(request.state)
             tree, is_chain = _tree(tuple(candidates.parents.tolist()))
             proposals.append((candidates, tree, is_chain, [request.root] + candidates.tokens.tolist()))

@@ -50,6 +50,10 @@ class RuntimeConfig:
     linear_paths: str = "default"
     linear_paths_budget: float = 3.0  # weight copies the chosen layouts may hold (memory shared with the model: 0)
     linear_paths_repeats: int = 5  # measurement rounds (minimum taken) for paths and cost curves
+    # A batch-size sweep instead of the batch-1 comparison: plain and each drafter (fallback off) at each
+    # batch size, the crossover and a speculation policy per batch size (eval/batch_eval.py); [] = off.
+    batch_sizes: list[int] = field(default_factory=list)
+    batch_one_check: bool = True  # the sweep also times batch size 1 through the batch decoder vs the batch-1 loop
 
 
 DRAFTERS = ("eagle_tree", "eagle_chain", "medusa", "prompt_lookup", "draft_model", "self_speculation")
@@ -87,6 +91,8 @@ def check_runtime(r: RuntimeConfig) -> None:
          "is not one of ['auto', 'default'] or a path (gemv_t, linear, tall, rows, dnnl)")
     need(isinstance(r.linear_paths_budget, (int, float)) and r.linear_paths_budget >= 1, "linear_paths_budget",
          "must be >= 1 (weight copies)")
+    need(all(_is_int(b) and b >= 1 for b in r.batch_sizes), "batch_sizes", "must hold ints >= 1")
+    need(list(r.batch_sizes) == sorted(set(r.batch_sizes)), "batch_sizes", "must be ascending without repeats")
     need(_is_int(r.linear_paths_repeats) and r.linear_paths_repeats >= 1, "linear_paths_repeats", "must be an int >= 1")
 
 

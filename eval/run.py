@@ -4,6 +4,7 @@ load on a shared machine hits all of them alike). Library code: `python -m eval`
 pipeline call `evaluate`."""
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from dataclasses import asdict, dataclass, field
@@ -274,10 +275,17 @@ def evaluate(target, prompts: Sequence[Sequence[int]], drafter_specs: Sequence[s
         prepared = prepare_target(target.model, runtime, runtime_sizes(runtime, specs), prompts[0], max_len)
     lean, hf_model, setup = prepared
     vocabulary = _vocabulary_note(head) if head is not None else None
-    methods, extra = build_methods(specs, runtime, lean, head, prompts, eos_token_ids, progress)
+    sweep = bool(runtime.batch_sizes)  # per batch size the policy decides when to speculate: no fallback gate
+    methods, extra = build_methods(specs, dataclasses.replace(runtime, fallback=False) if sweep else runtime, lean,
+                                   head, prompts, eos_token_ids, progress)
     if vocabulary is not None:
         extra["draft_vocab"] = vocabulary
     extra = {**setup, **extra}
+    if sweep:
+        from eval.batch_eval import evaluate_batches
+
+        return evaluate_batches(lean, methods, prompts, runtime, sampling, eos_token_ids, max_len, out_dir, target,
+                                head_config, extra, progress)
     compare_hf = runtime.compare_transformers
     names = [m.name for m in methods] + (["transformers"] if compare_hf else [])
     results: dict[str, list[GenerationResult]] = {name: [] for name in names}

@@ -2,7 +2,9 @@
 config conf/export/default.yaml) and `python -m export validate DIR [base=MODEL]`.
 
 ckpt: a head checkpoint or any export folder. format: one of native, eagle, eagle_vllm, eagle3,
-eagle3_vllm, speculators, medusa, medusa_vllm (written into `out`); without it every entry of `formats` is written to `out/<format>`. base: the
+eagle3_vllm, speculators, medusa, medusa_vllm (written into `out`); without it every entry of `formats` is written to `out/<format>`. eval_report: an eval report.json whose recommended
+runtime the manifests carry (a batch-size sweep's holds the speculation policy per batch size);
+default: the checkpoint's own measured record. base: the
 base model (hub id, local folder, GGUF file, `embedded:smollm2-135m-instruct`); default: the
 target the head was trained on. An existing `out` is replaced only when it is an earlier export of
 the same format and head type (overwrite=true: any export); a folder that is not an export is
@@ -50,9 +52,22 @@ def _measured_runtime(manifest: dict) -> dict | None:
     # where each value came from travels with it: a configured value stays configured
     provenance = {"measured": [key for key, kind in (runtime.get("sources") or {}).items() if kind == "measured"],
                   "measured_on": runtime.get("measured_on")} if "sources" in runtime else {}
+    policy = {"batch_policy": runtime["batch_policy"]} if runtime.get("batch_policy") else {}
     if "medusa_choices" in runtime:
-        return {"medusa_choices": runtime["medusa_choices"], **provenance}
-    return {**runtime["tree"], "chain_depth": runtime["chain_depth"], **provenance}
+        return {"medusa_choices": runtime["medusa_choices"], **provenance, **policy}
+    return {**runtime["tree"], "chain_depth": runtime["chain_depth"], **provenance, **policy}
+
+
+def _report_runtime(path: str) -> dict:
+    """The recommended runtime of an eval report.json (e.g. a batch-size sweep's, with its policy)."""
+    try:
+        report = json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError) as error:
+        raise ValueError(f"eval_report={path}: cannot read an eval report.json ({error})") from error
+    runtime = report.get("recommended_runtime") if isinstance(report, dict) else None
+    if not isinstance(runtime, dict) or not runtime:
+        raise ValueError(f"eval_report={path}: no recommended_runtime in it (a report of `python -m eval` with a head)")
+    return runtime
 
 
 def run_export(cfg: ExportConfig) -> dict[str, Path]:
@@ -63,7 +78,7 @@ def run_export(cfg: ExportConfig) -> dict[str, Path]:
     head, config, manifest = load_export(cfg.ckpt, None, dtype="float32")
     target = load_base(cfg.base or config.target_name)
     extra = {key: manifest.get(key) for key in ("training", "eval") if isinstance(manifest.get(key), dict)}
-    runtime = _measured_runtime(manifest)
+    runtime = _report_runtime(cfg.eval_report) if cfg.eval_report else _measured_runtime(manifest)
     if runtime:
         extra["runtime"] = runtime
     if cfg.format is None:

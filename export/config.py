@@ -14,6 +14,7 @@ class ExportConfig:
     out: str | None = None  # job: default <run_dir>/export/<format>; `python -m export`: the folder (or root)
     ckpt: str | None = None  # for `python -m export`: checkpoint or export folder to read
     format: str | None = None  # for `python -m export`: one format into `out` (None: `formats` into out/<fmt>)
+    eval_report: str | None = None  # for `python -m export`: report.json whose recommended runtime manifests carry
     base: str | None = None  # base model spec (hub id, folder, GGUF, embedded:...); None: the head's target
     strict_fingerprint: bool = True  # refuse a head whose target fingerprint differs from the base model's
     # replace an existing export of another format or head type at `out` (a folder that is not an

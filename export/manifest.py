@@ -123,7 +123,7 @@ def recommended_runtime(config, runtime: dict | None) -> dict:
     if head_type(config) in ("eagle", "eagle3"):
         values = {key: int(runtime.get(key, default)) for key, default in _EAGLE_DEFAULTS.items()}
         sources, source, where = _provenance(runtime, tuple(_EAGLE_DEFAULTS))
-        return {
+        return _with_batch_policy({
             "tree": {key: values[key] for key in ("top_k", "depth", "total_tokens")},
             "chain_depth": values["chain_depth"], "source": source, "sources": sources,
             "measured_on": where, "gpu_serving_advice": bool(where and where.get("device_type") == "cuda"),
@@ -131,16 +131,29 @@ def recommended_runtime(config, runtime: dict | None) -> dict:
             "sglang": {"speculative_num_steps": values["depth"], "speculative_eagle_topk": values["top_k"],
                        "speculative_num_draft_tokens": values["total_tokens"]},
             "vllm": {"num_speculative_tokens": values["chain_depth"]},
-        }
+        }, runtime.get("batch_policy"))
     sources, source, where = _provenance(runtime, ("medusa_choices",))
     choices = runtime.get("medusa_choices")
     choices = [list(path) for path in choices] if choices else default_choices(config.num_heads)
-    return {
+    return _with_batch_policy({
         "medusa_choices": choices, "source": source, "sources": sources,
         "measured_on": where, "gpu_serving_advice": bool(where and where.get("device_type") == "cuda"),
         "advice": serving_advice(where),
         "tensorrt_llm": {"num_medusa_heads": config.num_heads, "max_draft_len": len(choices)},
-    }
+    }, runtime.get("batch_policy"))
+
+
+def _with_batch_policy(runtime: dict, policy: dict | None) -> dict:
+    """Add eval's speculation policy per batch size (`eval.policy`, from a batch-size sweep, with
+    the hardware it was measured on) and its engine terms: vLLM's
+    num_speculative_tokens_per_batch_size, TensorRT-LLM's draft_len_schedule."""
+    if not policy:
+        return runtime
+    runtime["batch_policy"] = {**policy, "advice": serving_advice(policy.get("measured_on"))}
+    runtime.setdefault("vllm", {})["num_speculative_tokens_per_batch_size"] = \
+        policy["vllm"]["num_speculative_tokens_per_batch_size"]
+    runtime.setdefault("tensorrt_llm", {})["draft_len_schedule"] = policy["tensorrt_llm"]["draft_len_schedule"]
+    return runtime
 
 
 def build_manifest(fmt: Format, config, base: BaseModel, target, dtype: str, files: dict,

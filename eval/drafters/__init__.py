@@ -42,6 +42,7 @@ class DraftState:
         `eval.sampling.probabilities(draft_logits, sampling)` and report those distributions.
     generator: the random generator the runtime uses (None = global RNG).
     step: verification steps done so far (0 right after the prefill).
+    batch_size: sequences verified together in the coming step (1 at batch 1).
     """
 
     tokens: torch.Tensor
@@ -51,6 +52,7 @@ class DraftState:
     sampling: SamplingConfig
     generator: torch.Generator | None = None
     step: int = 0
+    batch_size: int = 1
 
 
 @dataclass
