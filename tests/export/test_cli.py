@@ -161,3 +161,25 @@ def test_cli_exports_an_eagle3_checkpoint_in_every_layout(saved, capsys, monkeyp
         loaded, loaded_config, _ = load_export(folder, saved["target"])
         assert loaded_config == config, fmt
         assert torch.equal(loaded.d2t, head.d2t) and torch.equal(loaded.t2d, head.t2d)
+
+
+def test_export_carries_an_eval_reports_batch_policy_and_keeps_it_on_reexport(saved):
+    from eval.policy import choose_policy
+
+    policy = choose_policy("eagle_tree", {1: 10.0, 4: 30.0}, {1: {6: 13.0}, 4: {6: 25.0}}, {6: 2},
+                           {"device_type": "cpu", "hardware": "CPU test, 2 threads"}).to_dict()
+    report = saved["root"] / "report.json"
+    report.write_text(json.dumps({"recommended_runtime": {
+        "top_k": 2, "depth": 2, "total_tokens": 6, "chain_depth": 3, "measured": ["total_tokens", "batch_policy"],
+        "measured_on": policy["measured_on"], "batch_policy": policy}}))
+    first = run_export(ExportConfig(ckpt=saved["ckpt"], out=str(saved["root"] / "policy"), format="eagle_vllm",
+                                    base=saved["base"], eval_report=str(report)))["eagle_vllm"]
+    again = run_export(ExportConfig(ckpt=str(first), out=str(saved["root"] / "policy2"), format="eagle",
+                                    base=saved["base"]))["eagle"]
+    for folder in (first, again):
+        runtime = json.loads((folder / "specheads.json").read_text())["runtime"]
+        assert runtime["vllm"]["num_speculative_tokens_per_batch_size"] == [[1, 3, 2], [4, 1 << 20, 0]]
+        assert runtime["tensorrt_llm"]["draft_len_schedule"] == {"3": 2}
+        assert runtime["batch_policy"]["measured_on"]["hardware"] == "CPU test, 2 threads"
+    with pytest.raises(ValueError, match="eval_report="):
+        run_export(ExportConfig(ckpt=saved["ckpt"], out=str(saved["root"] / "p3"), eval_report=str(saved["root"])))
