@@ -78,5 +78,25 @@ def test_the_script_rewrites_a_file(tmp_path):
     assert lines[:2] == ["intro", BEGIN] and lines[-2:] == [END, "outro"] and "old" not in lines
     assert any(line.startswith("| eagle_smollm2_135m | 300 (max_steps) | 0.330 |") for line in lines)
     missing = subprocess.run([sys.executable, str(ROOT / "scripts" / "results_table.py"), "--runs",
-                              str(tmp_path / "empty")], capture_output=True, text=True)
+                              str(tmp_path / "empty"), "--releases", "none"], capture_output=True, text=True)
     assert missing.returncode != 0 and "no run folders" in missing.stderr
+
+
+def test_a_release_head_stands_for_its_recipe_until_a_newer_run(tmp_path):
+    releases = tmp_path / "release" / "eagle3_head"
+    releases.mkdir(parents=True)
+    manifest = {"created_utc": "2026-12-01T05:00:08Z", "training": {
+        "recipe": "eagle3_smollm2_135m_long", "steps": 638, "hardware": "CPU x86_64, 2 threads",
+        "held_out": {"eval/top1_step0": 0.305, "eval/acceptance_length": 1.393}},
+        "eval": {"hardware": "AMD EPYC, 2 threads", "eagle_tree": {"tau": 1.07, "speedup_vs_plain": 1.02},
+                 "prompt_lookup": {"tau": 1.15, "speedup_vs_plain": 1.13}}}
+    (releases / "specheads.json").write_text(json.dumps(manifest))
+    rows = last_runs([tmp_path / "runs"], tmp_path / "release")
+    assert len(rows) == 1 and rows[0]["recipe"] == "eagle3_smollm2_135m_long"
+    line = render(rows).splitlines()[-1]
+    assert line.startswith("| eagle3_smollm2_135m_long | 638 (release head) | 0.305 | 1.393 | "
+                           "prompt_lookup: 1.15, 1.13x (eagle_tree: 1.07, 1.02x) | – | AMD EPYC, 2 threads (2026-12-01) |")
+    newer = 1_900_000_000  # 2030: a run folder of the recipe written after the head replaces its row
+    _job(tmp_path / "runs" / "rerun", "eagle3_smollm2_135m_long", 0.4, 1.6, when=newer)
+    rows = last_runs([tmp_path / "runs"], tmp_path / "release")
+    assert rows[0]["run"].endswith("rerun") and rows[0]["top1"] == 0.4
