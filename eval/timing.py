@@ -58,10 +58,26 @@ def timed(device=None) -> Iterator[Elapsed]:
 
 def measured_on(device) -> dict:
     """Where timings were taken, for the settings chosen from them: {"device_type", "hardware"}."""
-    import platform
-
     device = torch.device(device if device is not None else "cpu")
     if device.type == "cuda":
         return {"device_type": "cuda", "hardware": torch.cuda.get_device_name(device)}
-    return {"device_type": device.type,
-            "hardware": f"CPU {platform.processor() or platform.machine()}, {torch.get_num_threads()} threads"}
+    return {"device_type": device.type, "hardware": f"CPU {cpu_description()}, {torch.get_num_threads()} threads"}
+
+
+def cpu_description() -> str:
+    """The CPU's model name and the vector ISA torch's kernels use on it, e.g. 'AMD EPYC (AVX2)' or
+    'Intel Xeon ... (AVX512, AMX)': verification cost differs by ISA, so every timing names it."""
+    import platform
+
+    name, flags = "", set()
+    try:
+        with open("/proc/cpuinfo") as handle:
+            for line in handle:
+                if line.startswith("model name") and not name:
+                    name = line.split(":", 1)[1].strip()
+                elif line.startswith("flags") and not flags:
+                    flags = set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    extras = [torch.backends.cpu.get_cpu_capability()] + (["AMX"] if "amx_tile" in flags else [])
+    return f"{name or platform.processor() or platform.machine()} ({', '.join(extras)})"

@@ -59,7 +59,8 @@ def run_figures(run_dir: Path) -> dict | None:
         "steps": train.get("steps"), "stopped": train.get("stopped"),
         "top1": top1[0] if top1 else None, "tau_estimate": held_out.get("eval/acceptance_length"),
         "method": _method(best), "head_method": _method(own),
-        "minutes": summary["wall_seconds"] / 60 if "wall_seconds" in summary else None,
+        # a re-run of later stages only (e.g. stages=[data,eval,export]) is not the job's time
+        "minutes": summary["wall_seconds"] / 60 if "wall_seconds" in summary and "train" in summary else None,
         "hardware": train.get("hardware") or summary.get("hardware"),
     }
 

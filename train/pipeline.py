@@ -9,7 +9,6 @@ import dataclasses
 import json
 import logging
 import os
-import platform
 import time
 from pathlib import Path
 
@@ -28,7 +27,9 @@ NO_LOGGER = LoggerConfig(kind="none")  # processes other than the main one log n
 def hardware() -> str:
     if torch.cuda.is_available():
         return f"{torch.cuda.get_device_name()} x{torch.cuda.device_count()}"
-    return f"CPU {platform.processor() or platform.machine()}, {torch.get_num_threads()} threads"
+    from eval.timing import cpu_description
+
+    return f"CPU {cpu_description()}, {torch.get_num_threads()} threads"
 
 
 def check_arch(job: JobConfig, target: FrozenTarget) -> None:
