@@ -23,7 +23,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from eval.batch_model import BatchKVCache, batch_forward
-from eval.drafters import Drafter, DraftState
+from eval.drafters import Candidates, Drafter, DraftState
 from eval.generate import VERIFICATIONS, GenerationResult, _finish, _tree, _verify
 from eval.model import LeanLlama
 from eval.sampling import SamplingConfig, pick
@@ -60,12 +60,13 @@ class BatchDecoder:
     """Up to `capacity` sequences decoding together on `model`. drafter_factory: builds one drafter
     per sequence (None: plain decoding); drafter_pool: a list of idle drafters from that factory
     to draw from and return to (shared by decoders of one drafter). verification: "lossless" |
-    "typical" (LOSSY)."""
+    "typical" (LOSSY). batched_drafting: drafters whose class has `propose_many` draft the batch
+    together (off: one sequence at a time)."""
 
     def __init__(self, model: LeanLlama, capacity: int, sampling: SamplingConfig = SamplingConfig(),
                  eos_token_ids: Sequence[int] = (), drafter_factory: Callable[[], Drafter] | None = None,
                  verification: str = "lossless", max_length: int | None = None, clock=None,
-                 drafter_pool: list | None = None):
+                 drafter_pool: list | None = None, batched_drafting: bool = True):
         if verification not in VERIFICATIONS:
             raise ValueError(f"verification must be one of {VERIFICATIONS}, got {verification!r}")
         if capacity < 1:
@@ -77,6 +78,7 @@ class BatchDecoder:
         self.active: list[Request] = []  # in slot order
         self._drafters: list[Drafter] = [] if drafter_pool is None else drafter_pool  # idle, reused by later requests
         self.layers: tuple[int, ...] = ()
+        self.batched_drafting = batched_drafting
 
     @property
     def free(self) -> int:
@@ -155,13 +157,9 @@ class BatchDecoder:
 
     def _speculative_step(self) -> None:
         proposals = []
-        for request in self.active:
-            start = self.clock()
-            request.state.batch_size = len(self.active)
-            candidates = request.drafter.propose(request.state)
+        for request, candidates in zip(self.active, self._propose()):
             tree, is_chain = _tree(tuple(candidates.parents.tolist()))
             proposals.append((candidates, tree, is_chain, [request.root] + candidates.tokens.tolist()))
-            request.result.draft_times.append(self.clock() - start)
         start = self.clock()
         b, n = len(proposals), max(len(p[3]) for p in proposals)
         uniform = all(is_chain and len(tokens) == n for _, _, is_chain, tokens in proposals)
@@ -194,6 +192,29 @@ class BatchDecoder:
             result.tree_sizes.append(len(candidates))
             result.verify_times.append(verify_seconds)
             result.draft_times[-1] += self.clock() - start
+
+    def _propose(self) -> list[Candidates]:
+        """Every active sequence's tree: in one call where the drafters' class drafts batches
+        (`propose_many`) and `batched_drafting` is on, else one by one. A request's draft time is
+        its share of the batch's."""
+        drafters = [request.drafter for request in self.active]
+        for request in self.active:
+            request.state.batch_size = len(self.active)
+        many = getattr(type(drafters[0]), "propose_many", None)
+        if self.batched_drafting and many is not None and len(drafters) > 1 and \
+                all(type(d) is type(drafters[0]) for d in drafters):
+            start = self.clock()
+            proposals = many(drafters, [request.state for request in self.active])
+            share = (self.clock() - start) / len(drafters)
+            for request in self.active:
+                request.result.draft_times.append(share)
+            return proposals
+        proposals = []
+        for request in self.active:
+            start = self.clock()
+            proposals.append(request.drafter.propose(request.state))
+            request.result.draft_times.append(self.clock() - start)
+        return proposals
 
     def _leave(self, slots: Sequence[int]) -> None:
         """Finish the requests in `slots`; the last active slots fill the holes."""

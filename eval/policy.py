@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Mapping
+from typing import Mapping, Sequence
 
 import torch
 
@@ -111,18 +111,34 @@ class PolicyDrafter:
         self._pending = None
 
     def propose(self, state: DraftState) -> Candidates:
+        state = self._prepare(state)
+        return self.drafter.propose(state) if self._proposed else Candidates.empty()
+
+    def _prepare(self, state: DraftState) -> DraftState:
+        """Decide the step from its batch size; the state with every feature not yet handed on."""
         if self._pending is not None:
             merged = {layer: torch.cat([self._pending[layer], features]) for layer, features in state.new_features.items()}
             state = dataclasses.replace(state, new_features=merged)
         size = self.policy.size_for(state.batch_size)
         self._proposed = size > 0
-        if not self._proposed:
-            self._pending = state.new_features
-            return Candidates.empty()
-        self._pending = None
-        setattr(self.drafter, self.attribute, size)
-        return self.drafter.propose(state)
+        self._pending = None if self._proposed else state.new_features
+        if self._proposed:
+            setattr(self.drafter, self.attribute, size)
+        return state
 
     def accept(self, state: DraftState, accepted: list[int]) -> None:
         if self._proposed:
             self.drafter.accept(state, accepted)
+
+    @staticmethod
+    def propose_many(drafters: Sequence["PolicyDrafter"], states: Sequence[DraftState]) -> list[Candidates]:
+        """One batch's proposals: its batch size picks one size for all; the wrapped drafters
+        propose together where their class can (`propose_many`)."""
+        inner = [d.drafter for d in drafters]
+        batched = getattr(type(inner[0]), "propose_many", None)
+        if batched is None or any(type(d) is not type(inner[0]) for d in inner):
+            return [d.propose(s) for d, s in zip(drafters, states)]
+        prepared = [d._prepare(s) for d, s in zip(drafters, states)]
+        if not drafters[0]._proposed:
+            return [Candidates.empty() for _ in drafters]
+        return batched(inner, prepared)

@@ -13,6 +13,11 @@ One generation, as the runtime drives it:
 
 Invariant: the target's KV cache holds every committed token except the last one (the root,
 `state.tokens[-1]`), whose K/V is computed by the next verification forward.
+
+In a batch (`eval.batch_generate`) every sequence has its own drafter instance. A drafter class
+may also define `propose_many(drafters, states) -> list[Candidates]` (a staticmethod): the
+proposals of several of its instances at once, each what `drafter.propose(state)` gives (up to
+floating-point near-ties), so the batch drafts in batched forwards (EAGLE).
 """
 from __future__ import annotations
 

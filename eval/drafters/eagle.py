@@ -116,6 +116,15 @@ class EagleDrafter:
     def accept(self, state: DraftState, accepted: list[int]) -> None:
         """Nothing to undo: drafts never enter the committed head cache."""
 
+    @staticmethod
+    @torch.no_grad()
+    def propose_many(drafters: Sequence["EagleDrafter"], states: Sequence[DraftState]) -> list[Candidates]:
+        """The proposals of several sequences' drafters (one configuration), drafted in batched head
+        forwards (`eval.drafters.eagle_batch`)."""
+        from eval.drafters.eagle_batch import propose_many
+
+        return propose_many(drafters, states)
+
     def _chain(self, state: DraftState, feature: torch.Tensor) -> Candidates:
         length = state.tokens.shape[0]
         tokens, rows = [], []

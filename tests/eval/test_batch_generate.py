@@ -1,8 +1,10 @@
 """Batched decoding on tiny models: each sequence of a greedy batch decodes to exactly its batch-1
 output (plain, EAGLE tree and chain for EAGLE-1/2 and EAGLE-3 heads, Medusa, prompt lookup, stub
 trees of ragged sizes), with ragged prompt lengths and EOS at different steps; finished sequences
-leave the batch and new ones join between steps; sampling at batch > 1 follows the target's exact
-distribution (chi-square), and a broken sampler fails the same test."""
+leave the batch and new ones join between steps; EAGLE drafts a batch in batched head forwards and
+proposes what it proposes one sequence at a time; sampling at batch > 1 follows the target's exact
+distribution (chi-square; plain, a stub tree, and (slow) a batched EAGLE-3 sampled chain), and a
+broken sampler fails the same test."""
 import pytest
 import torch
 
@@ -198,3 +200,30 @@ def test_sampled_batch_draws_what_batch_one_draws(lean):
     generators = [torch.Generator().manual_seed(i) for i in range(3)]
     results = batch_generate(lean, prompts, NEW_TOKENS, sampling, generators=generators, max_length=64)
     assert [r.tokens for r in results] == alone
+
+
+@pytest.mark.parametrize("kind", ["eagle", "eagle3"])
+@pytest.mark.parametrize("mode", ["tree", "chain"])
+def test_batched_eagle_drafting_drafts_what_each_sequence_drafts(kind, mode):
+    """EAGLE drafts the batch in batched head forwards: the same trees (sizes, acceptance) as
+    drafting one sequence at a time, and the same output."""
+    setup = tiny_eagle_setup() if kind == "eagle" else tiny_eagle3_setup()
+    model, build = _eagle_factory(setup, mode)
+    prompts = ragged_prompts()
+    runs = []
+    for batched in (True, False):
+        decoder = BatchDecoder(model, len(prompts), drafter_factory=build, max_length=80, batched_drafting=batched)
+        runs.append(batch_generate(model, prompts, NEW_TOKENS, decoder=decoder))
+    assert [r.tokens for r in runs[0]] == [r.tokens for r in runs[1]]
+    assert [r.accepted for r in runs[0]] == [r.accepted for r in runs[1]]
+    assert [r.tree_sizes for r in runs[0]] == [r.tree_sizes for r in runs[1]]
+
+
+@pytest.mark.slow
+def test_batched_eagle_chain_sampling_matches_exact_distribution():
+    from tests.eval.test_lossless_generate import _drafter
+
+    lean = _peaked_lean()
+    prompt = torch.tensor([1, 3, 2])
+    counts = _batched_counts(lean, lambda: _drafter("eagle3_sampled_chain", lean), prompt)
+    assert chi_square_p_value(counts, exact(lean, prompt), SAMPLES) > 1e-3
