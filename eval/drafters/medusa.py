@@ -64,6 +64,19 @@ class MedusaDrafter:
     def accept(self, state: DraftState, accepted: list[int]) -> None:
         pass
 
+    @staticmethod
+    @torch.no_grad()
+    def propose_many(drafters: Sequence["MedusaDrafter"], states: Sequence[DraftState]) -> list[Candidates]:
+        """The proposals of several sequences' drafters (one tree and heads): one projection per
+        head for the whole batch."""
+        first = drafters[0]
+        features = torch.cat([state.new_features[state.num_layers][-1:] for state in states])  # (B, D)
+        ranked = first.head_logits(features).topk(first.top, dim=-1).indices  # (K_used, B, top)
+        tokens = ranked[first.head_index, :, first.rank_index].t()  # (B, N)
+        if first.vocab is not None:
+            tokens = first.vocab[tokens]
+        return [Candidates(row.clone(), first.parents.clone()) for row in tokens]
+
 
 @torch.no_grad()
 def measure_rank_accuracies(drafter: MedusaDrafter, sequences: Sequence[torch.Tensor], prompt_lengths: Sequence[int],

@@ -120,8 +120,10 @@ def test_greedy_medusa_and_prompt_lookup_batches_equal_batch_one(lean):
     prompts = ragged_prompts()[:3] + [repetitive]
     expected = [plain_generate(lean, p, NEW_TOKENS).tokens for p in prompts]
     for build in (lambda: MedusaDrafter(heads, lean, choices), lambda: PromptLookupDrafter(num_draft=4)):
-        results = batch_generate(lean, prompts, NEW_TOKENS, drafter_factory=build, max_length=64)
-        assert [r.tokens for r in results] == expected
+        runs = [batch_generate(lean, prompts, NEW_TOKENS, max_length=64, decoder=BatchDecoder(
+            lean, len(prompts), drafter_factory=build, max_length=64, batched_drafting=batched)) for batched in (True, False)]
+        assert [r.tokens for r in runs[0]] == expected
+        assert [r.accepted for r in runs[0]] == [r.accepted for r in runs[1]]  # Medusa: batched heads, same trees
 
 
 def test_ragged_stub_trees_and_acceptance(lean):
