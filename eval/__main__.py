@@ -75,18 +75,6 @@ def compose_eval(overrides: list[str] | None = None) -> EvalEntryConfig:
         return OmegaConf.to_object(compose(config_name="eval", overrides=list(overrides or [])))
 
 
-def load_prompts(cfg: EvalEntryConfig, tokenizer) -> list[list[int]]:
-    from data.prompts import eval_prompts, load_prompt_file
-
-    runtime = cfg.runtime
-    path = cfg.prompts_file or runtime.prompts_file
-    if path:
-        prompts = load_prompt_file(path, tokenizer, runtime.max_prompt_tokens)[: runtime.num_prompts]
-    else:
-        prompts = eval_prompts(cfg.data, tokenizer, runtime.num_prompts, runtime.max_prompt_tokens)
-    return [p["prompt_ids"] for p in prompts]
-
-
 def resolve_head(head: str) -> Path:
     """`head=` value -> folder: the alias `release` names RELEASE_HEAD_DIR; anything else is a path."""
     if head != "release":
@@ -98,11 +86,11 @@ def resolve_head(head: str) -> Path:
 
 
 def load_eval_head(head: str, target, strict_fingerprint: bool = True):
-    """A head checkpoint, an export folder or `release` -> (head in eval mode on the target's device, config)."""
-    from export import load_export
+    """`head=` (a head checkpoint, an export folder or `release`) -> (head in eval mode on the
+    target's device, config), through the eval stage's loader."""
+    from eval.stage import load_eval_head as load
 
-    loaded, config, _ = load_export(resolve_head(head), target, strict_fingerprint)
-    return loaded.to(target.model.device).eval(), config
+    return load(resolve_head(head), target, strict_fingerprint)
 
 
 def check_eval_config(cfg: EvalEntryConfig) -> None:
@@ -118,25 +106,19 @@ def check_eval_config(cfg: EvalEntryConfig) -> None:
 
 
 def run(cfg: EvalEntryConfig) -> dict:
-    from eval.run import HEAD_DRAFTERS, evaluate
+    from eval.stage import run_eval_stage
     from heads.target import load_target
 
     runtime = cfg.runtime
     check_eval_config(cfg)
     if cfg.head:
         resolve_head(cfg.head)  # a missing release head fails before the target loads
+    if runtime.threads:
+        import torch
+
+        torch.set_num_threads(runtime.threads)
     target = load_target(TargetConfig(**{f.name: getattr(cfg.model, f.name) for f in dataclasses.fields(TargetConfig)}))
-    head = head_config = None
-    drafters = list(runtime.drafters)
-    if cfg.head:
-        head, head_config = load_eval_head(cfg.head, target, cfg.strict_fingerprint)
-    else:
-        kept = [d for d in drafters if d not in HEAD_DRAFTERS]
-        if len(kept) < len(drafters):
-            kept += [d for d in ("prompt_lookup", "self_speculation") if d not in kept]
-            log.info("no head=: running head-free drafters only: %s", kept)
-        drafters = kept
-    prompts = load_prompts(cfg, target.tokenizer)
+    head, head_config = load_eval_head(cfg.head, target, cfg.strict_fingerprint) if cfg.head else (None, None)
     logger = cfg.logger or {}
     if logger.get("kind") == "wandb" and logger.get("mode") != "disabled":
         import wandb
@@ -144,8 +126,7 @@ def run(cfg: EvalEntryConfig) -> dict:
         wandb.init(project=logger.get("project"), entity=logger.get("entity"), mode=wandb_mode(logger.get("mode")),
                    name=logger.get("run_name"), tags=logger.get("tags"), job_type="eval",
                    config={"runtime": dataclasses.asdict(runtime), "head": cfg.head})
-    report = evaluate(target, prompts, drafters, runtime, head=head, head_config=head_config, out_dir=cfg.out,
-                      progress=cfg.progress)
+    report = run_eval_stage(target, runtime, cfg.data, cfg.out, head, head_config, cfg.prompts_file, cfg.progress)
     print(Path(report["files"]["markdown"]).read_text())
     return report
 

@@ -114,12 +114,13 @@ def print_chosen(built: dict) -> None:
 
 def generate(target, runtime, prepared, prompts_count: int, new_tokens: int) -> dict:
     """Plain, the release head's EAGLE tree and transformers' generate through `eval.run.evaluate`."""
-    from eval.__main__ import compose_eval, load_eval_head, load_prompts
+    from eval.__main__ import compose_eval, load_eval_head
     from eval.run import evaluate
+    from eval.stage import eval_prompt_ids
 
     cfg = compose_eval(["head=release", f"runtime.num_prompts={prompts_count}"])
     head, head_config = load_eval_head("release", target)
-    prompts = load_prompts(cfg, target.tokenizer)
+    prompts = eval_prompt_ids(cfg.runtime, cfg.data, target.tokenizer, cfg.prompts_file)
     with tempfile.TemporaryDirectory() as out:
         report = evaluate(target, prompts, ["eagle_tree"], runtime, head=head, head_config=head_config, out_dir=out,
                           progress=False, prepared=prepared)

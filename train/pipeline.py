@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from eval.config import wandb_mode
+from heads.recommended import RecommendedRuntime
 from heads.target import FrozenTarget, load_target
 from train.config import LoggerConfig
 from train.job import ConfigError, JobConfig
@@ -115,11 +116,10 @@ def run_job(job: JobConfig) -> dict:
 
         source = offline_source(job, target, prepared)
 
-    head = head_config = None
     if "train" in job.stages:
         from train.loop import train_heads
 
-        result = train_heads(job, target, prepared, source=source, initial=_engine_export_head(job, target))
+        result = train_heads(job, target, prepared, source=source)
         summary["train"] = {"steps": result.steps, "stopped": result.stopped, "best_eval": result.best_eval,
                             "hardware": hardware(), "recipe": job.recipe, "data_source": data_source,
                             "final_eval": result.final_eval,
@@ -148,12 +148,14 @@ def _eval_and_export(job: JobConfig, target: FrozenTarget, checkpoint: Path, run
                      known: dict) -> dict:
     """The eval and export stages (one process runs them: train.distributed.run_on_main_process);
     returns their part of the summary. `known`: the summary so far, an earlier run's included."""
-    head, head_config = _load_for_eval(checkpoint, target)
+    from eval.stage import load_eval_head, run_eval_stage
+
+    head, head_config = load_eval_head(checkpoint, target)
     summary: dict = {}
     if "eval" in job.stages:
         with stage_run(job.logger, run_dir, "eval") as run:
             declare_inputs(run, run_dir, ("checkpoint",))
-            summary["eval"] = _evaluate(job, target, head, head_config, run_dir)
+            summary["eval"] = run_eval_stage(target, job.runtime, job.data, run_dir / "eval", head, head_config)
 
     if "export" in job.stages:
         from export.writer import export_all
@@ -162,7 +164,7 @@ def _eval_and_export(job: JobConfig, target: FrozenTarget, checkpoint: Path, run
         extra = {"training": _training_figures(known), "eval": _eval_figures(known)}
         runtime = (known.get("eval") or {}).get("recommended_runtime")
         if runtime:
-            extra["runtime"] = runtime
+            extra["runtime"] = RecommendedRuntime.from_dict(runtime)
         out_root = Path(job.export.out) if job.export.out else run_dir / "export"
         paths = export_all(head, head_config, job.export.formats, out_root, target, job.export.dtype,
                            job.export.native_dtype, extra, job.export.strict_fingerprint, job.export.overwrite)
@@ -226,18 +228,6 @@ def _lean_generate_fn(job: JobConfig, target: FrozenTarget):
     return generate
 
 
-def _engine_export_head(job: JobConfig, target: FrozenTarget):
-    """trainer.init_from may name an engine-layout export (eagle, medusa): the loop itself reads
-    checkpoints and native exports, the export package reads the rest."""
-    folder = Path(job.trainer.init_from) if job.trainer.init_from else None
-    if folder is None or (folder / "head_config.json").is_file() or not (folder / "specheads.json").is_file():
-        return None
-    from export.validate import load_export
-
-    head, config, _ = load_export(folder, target, dtype="float32")
-    return head, config
-
-
 def _latest_checkpoint(run_dir: Path) -> Path | None:
     from train.checkpoint import latest_valid_checkpoint
 
@@ -249,35 +239,6 @@ def _latest_checkpoint(run_dir: Path) -> Path | None:
             if values.get(key) and (Path(values[key]) / "head_config.json").is_file():
                 return Path(values[key])
     return latest_valid_checkpoint(root) if root.is_dir() else None
-
-
-def _load_for_eval(checkpoint: Path, target: FrozenTarget):
-    from export.validate import load_export
-    from heads.io import load_head
-
-    if (Path(checkpoint) / "specheads.json").is_file():
-        head, config, _ = load_export(checkpoint, target, dtype="float32")
-    else:
-        head, config, _ = load_head(checkpoint, target)
-    return head.to(target.device).eval(), config
-
-
-def _evaluate(job: JobConfig, target: FrozenTarget, head, head_config, run_dir: Path) -> dict:
-    from data.prompts import eval_prompts, load_prompt_file
-    from eval.run import evaluate
-
-    runtime = job.runtime
-    if runtime.prompts_file:
-        prompts = load_prompt_file(runtime.prompts_file, target.tokenizer, runtime.max_prompt_tokens)
-    else:
-        prompts = eval_prompts(job.data, target.tokenizer, runtime.num_prompts, runtime.max_prompt_tokens)
-    from eval.run import HEAD_DRAFTERS
-    from train.kinds import head_kind
-
-    own = head_kind(job.heads).drafters  # head drafters of other kinds would only be skipped with a warning
-    wanted = [d for d in runtime.drafters if d not in HEAD_DRAFTERS or d in own]
-    return evaluate(target, [p["prompt_ids"] for p in prompts[: runtime.num_prompts]], wanted, runtime,
-                    head=head, head_config=head_config, out_dir=run_dir / "eval")  # drafts over the head's vocabulary
 
 
 def _earlier_summary(run_dir: Path) -> dict:

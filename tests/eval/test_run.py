@@ -93,7 +93,7 @@ def test_eval_cli_runs_a_native_eagle3_checkpoint(tmp_path, monkeypatch):
     target, _, head = tiny_eagle3_setup(draft_vocab=torch.arange(0, 128, 2))
     folder = save_head(tmp_path / "eagle3_head", head, head.config)
     monkeypatch.setattr("heads.target.load_target", lambda config: target)
-    monkeypatch.setattr(entry, "load_prompts", lambda cfg, tokenizer: prompts(2))
+    monkeypatch.setattr("eval.stage.eval_prompt_ids", lambda *args: prompts(2))
 
     cfg = entry.compose_eval([f"head={folder}", f"out={tmp_path / 'report'}", "progress=false", "runtime.threads=1",
                               "runtime.max_new_tokens=8", "runtime.compare_transformers=false",
@@ -108,3 +108,18 @@ def test_eval_cli_runs_a_native_eagle3_checkpoint(tmp_path, monkeypatch):
     methods, _ = build_methods(["eagle_chain", "medusa"], RUNTIME, lean, head=head)
     assert [m.name for m in methods] == ["plain", "eagle_chain"]
     assert methods[1].settings["draft_vocab"] == 64
+
+
+def test_the_eval_door_picks_the_drafters_that_fit_the_head(target):
+    """Both eval routes (`python -m eval`, the training pipeline) go through select_drafters."""
+    from eval.stage import select_drafters
+
+    wanted = ["eagle_tree", "medusa", "eagle_chain", "prompt_lookup"]
+    eagle = EagleHead(EagleConfig.from_target(target))
+    medusa = MedusaHeads(MedusaConfig.from_target(target, num_heads=2))
+    eagle3 = tiny_eagle3_setup()[2]
+    assert select_drafters(wanted, eagle) == ["eagle_tree", "eagle_chain", "prompt_lookup"]
+    assert select_drafters(wanted, eagle3) == ["eagle_tree", "eagle_chain", "prompt_lookup"]
+    assert select_drafters(wanted, medusa) == ["medusa", "prompt_lookup"]
+    assert select_drafters(wanted, None) == ["prompt_lookup", "self_speculation"]
+    assert select_drafters(["prompt_lookup"], None) == ["prompt_lookup"]  # nothing to replace
