@@ -1,6 +1,7 @@
 """Export trained heads as folders that serving engines load as they are (see docs/serving.md).
 
-Formats: `native` (our checkpoint layout, read by `heads.io.load_head`, eval and `trainer.init_from`),
+Every folder, and a plain head checkpoint, loads back through `load_export`, the one head loader
+(eval and `trainer.init_from` use it). Formats: `native` (our checkpoint layout),
 `eagle` (EAGLE-1/2 for SGLang and the EAGLE reference loader), `eagle_vllm` (the same for vLLM),
 `eagle3` (EAGLE-3 for SGLang, TensorRT-LLM and the EAGLE repo), `eagle3_vllm` (the same for vLLM),
 `speculators` (EAGLE-3 in vLLM's speculators format), `medusa` (FasterDecoding layout read by

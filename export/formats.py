@@ -80,7 +80,7 @@ class Format(Protocol):
 
 class NativeFormat:
     """Our own layout: the head checkpoint of `heads.io` (`head_config.json` + `model.safetensors`),
-    so `heads.io.load_head`, `python -m eval` and `trainer.init_from` read it as they are."""
+    so `export.load_export`, `python -m eval` and `trainer.init_from` read it as they are."""
 
     name = "native"
     head_type = "any"

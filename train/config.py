@@ -26,7 +26,7 @@ class TrainerConfig:
     save_every: int = 50
     keep_last: int = 2
     resume: str = "auto"  # auto | never | <checkpoint dir>
-    init_from: str | None = None  # a checkpoint or native export to start the heads from
+    init_from: str | None = None  # a checkpoint or any export folder to start the heads from
     log_every: int = 10
     dry_run: bool = False  # print the plan (memory, disk, steps) and stop
     num_threads: int | None = None  # torch CPU threads; None: leave torch's default

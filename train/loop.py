@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from heads.io import head_type, load_head, read_head_meta
+from heads.io import head_type, read_head_meta
 from heads.vocab import draft_ids, set_draft_vocab
 from train.checkpoint import (
     TrainingDiverged, find_resume, prune_checkpoints, rng_state, save_checkpoint, set_rng_state,
@@ -62,15 +62,16 @@ def lr_factor(step: int, warmup_steps: int, total_steps: int, schedule: str) -> 
     raise ValueError(f"trainer.schedule={schedule!r} is not one of ['constant', 'cosine', 'linear']")
 
 
-def build_head_for_job(job, target, initial=None, kind: HeadKind | None = None,
-                       vocab: torch.Tensor | None = None):
-    """(head, head config): `initial` when given (a head the caller loaded, e.g. from an engine
-    export), else from trainer.init_from (a checkpoint or native export), else fresh: the head
-    kind's build, initialised from the target, around the draft vocabulary `vocab` (sorted ids;
-    None: the full vocabulary). A loaded head keeps its own vocabulary; one without gets `vocab`."""
+def build_head_for_job(job, target, kind: HeadKind | None = None, vocab: torch.Tensor | None = None):
+    """(head, head config): from trainer.init_from (a checkpoint or any export folder, read by
+    `export.load_export` in float32), else fresh: the head kind's build, initialised from the
+    target, around the draft vocabulary `vocab` (sorted ids; None: the full vocabulary). A loaded
+    head keeps its own vocabulary; one without gets `vocab`."""
     kind, source = kind or head_kind(job.heads), job.trainer.init_from
-    if initial is not None or source:
-        head, config = initial if initial is not None else load_head(source, target)[:2]
+    if source:
+        from export import load_export
+
+        head, config, _ = load_export(source, target, dtype="float32")
         if head_type(config) != kind.name:
             raise ValueError(f"trainer.init_from={source} holds a {type(config).__name__}, but heads.type={kind.name}")
         own = draft_ids(head)
@@ -88,8 +89,7 @@ def build_head_for_job(job, target, initial=None, kind: HeadKind | None = None,
     return head, config
 
 
-def train_heads(job, target, data, source: FeatureSource | None = None, accelerator=None,
-                initial=None) -> TrainResult:
+def train_heads(job, target, data, source: FeatureSource | None = None, accelerator=None) -> TrainResult:
     """Train the job's head on `data` (PreparedData: .train/.eval rows with input_ids, loss_mask, id)
     against the frozen `target`. `source` supplies target features (default: run the target online).
     Writes <trainer.output_dir>/{checkpoints/, metrics.jsonl, result.json}."""
@@ -120,7 +120,7 @@ def train_heads(job, target, data, source: FeatureSource | None = None, accelera
     if t.feature_memory_mb > 0:  # reuse each row's features across epochs and evaluations
         source = MemoizedFeatures(source, t.feature_memory_mb)
         eval_source = MemoizedFeatures(eval_source, t.feature_memory_mb)
-    head, head_config = build_head_for_job(job, target, initial, kind, vocab)
+    head, head_config = build_head_for_job(job, target, kind, vocab)
     head.to(device)
     optimizer = torch.optim.AdamW(kind.param_groups(head, t.learning_rate), lr=t.learning_rate,
                                   betas=(t.adam_beta1, t.adam_beta2), weight_decay=t.weight_decay)
@@ -138,7 +138,7 @@ def train_heads(job, target, data, source: FeatureSource | None = None, accelera
 
     identity = run_identity(job, target, data.train, world)
     resume, checkpoint = find_resume(t.resume, root, identity, main)  # refuses another run's checkpoints
-    if checkpoint is None and not t.init_from and initial is None:  # a fresh head: the kind's set-up
+    if checkpoint is None and not t.init_from:  # a fresh head: the kind's set-up
 
         def first_batches():  # the batches training starts with, read only if the kind asks
             peek = BatchStream(data.train, t.batch_size, world, rank, t.seed, pad_id, device)

@@ -166,6 +166,25 @@ def test_init_from_a_native_checkpoint(tmp_path):
         build_head_for_job(job, target)
 
 
+@pytest.mark.parametrize("fmt", ["eagle", "native"])
+def test_init_from_an_export_folder_reads_it_through_load_export(tmp_path, fmt):
+    """An engine layout and a bf16 native export start training alike: in float32, with the
+    exported (rounded) weights."""
+    from export import export_head
+    from train.loop import build_head_for_job
+
+    target = tiny_target()
+    result = train_heads(tiny_job(tmp_path / "first", max_steps=1), target, tiny_data())
+    trained, config, _ = load_head(result.last_checkpoint, target)
+    folder = export_head(trained, config, fmt, tmp_path / fmt, target, dtype="bfloat16")
+    head, loaded_config = build_head_for_job(tiny_job(tmp_path / "second", init_from=str(folder)), target)
+    assert loaded_config == config
+    for key, value in trained.state_dict().items():
+        loaded = head.state_dict()[key]
+        expected = value.to(torch.bfloat16).float() if value.is_floating_point() else value
+        assert loaded.dtype == expected.dtype and torch.equal(loaded, expected), key
+
+
 def test_init_fc_ridge_fits_fc_on_the_first_training_batches(tmp_path):
     from heads.eagle import EagleConfig, EagleHead, set_fc_by_ridge
     from train.data_order import BatchStream
