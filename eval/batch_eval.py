@@ -4,6 +4,7 @@
 policy into the recommended runtime that `export` carries into manifests."""
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import asdict
 from pathlib import Path
@@ -56,8 +57,8 @@ def evaluate_batches(lean: LeanLlama, methods, prompts: Sequence[torch.Tensor], 
             for m in methods[1:]]
     recommended = _recommended(rows, runtime, extra or {}, where)
     if policy is not None and recommended:
-        recommended["batch_policy"] = policy.to_dict()
-        recommended["measured"] = [*recommended.get("measured", []), "batch_policy"]
+        recommended = dataclasses.replace(recommended, batch_policy=policy.to_dict(),
+                                          measured=(*(recommended.measured or ()), "batch_policy"))
     report = {
         "target": getattr(target, "name", "?"),
         "head": None if head_config is None else {"type": type(head_config).__name__, **_plain(head_config)},
@@ -74,7 +75,7 @@ def evaluate_batches(lean: LeanLlama, methods, prompts: Sequence[torch.Tensor], 
         ],
         "batch_sweep": sweep,
         "speculation_policy": None if policy is None else policy.to_dict(),
-        "recommended_runtime": recommended,
+        "recommended_runtime": recommended.to_dict() if recommended else {},  # RecommendedRuntime.from_dict reads it
         **(extra or {}),
     }
     if runtime.batch_one_check:

@@ -30,6 +30,7 @@ from eval.timing import device_clock, measured_on, module_device
 from heads.eagle import EagleHead
 from heads.eagle3 import Eagle3Head
 from heads.medusa import MedusaHeads
+from heads.recommended import RecommendedRuntime
 from heads.vocab import draft_ids
 
 log = logging.getLogger(__name__)
@@ -345,6 +346,7 @@ def _assemble(methods: list[Method], summaries: dict, runtime: RuntimeConfig, ta
         baselines["plain"]["speedup_vs_transformers"] = plain / hf if hf else None
     fingerprint = target.fingerprint() if hasattr(target, "fingerprint") else {}
     where = measured_on(getattr(target, "device", None))
+    recommended = _recommended(rows, runtime, extra, where)
     report = {
         "target": getattr(target, "name", "?"),
         "target_fingerprint": fingerprint.get("id") if isinstance(fingerprint, dict) else None,
@@ -369,7 +371,7 @@ def _assemble(methods: list[Method], summaries: dict, runtime: RuntimeConfig, ta
         "baselines": baselines,
         "drafters": rows,
         "measured_on": where,
-        "recommended_runtime": _recommended(rows, runtime, extra, where),
+        "recommended_runtime": recommended.to_dict() if recommended else {},  # RecommendedRuntime.from_dict reads it
         **extra,
     }
     return report
@@ -381,17 +383,18 @@ def _plain(config) -> dict:
     return values
 
 
-def _recommended(rows: list[dict], runtime: RuntimeConfig, extra: dict, where: dict) -> dict:
-    """Eval's settings in the keys `export` carries into manifests; `measured` names those chosen
-    from this run's timings (the rest are configured), `measured_on` the hardware that timed them."""
+def _recommended(rows: list[dict], runtime: RuntimeConfig, extra: dict, where: dict) -> RecommendedRuntime | None:
+    """The settings eval ran with for the head's drafters, naming those chosen from this run's
+    timings (the rest are configured) and the hardware that timed them; None without a head drafter."""
     trees = [r for r in rows if r["name"].startswith("eagle_tree")]
     if trees:
         best = max(trees, key=lambda r: r["tokens_per_second"])
         chosen = len(trees) > 1 or best["settings"].get("total_tokens_auto", False)
-        return {"top_k": runtime.tree_top_k, "depth": runtime.tree_depth,
-                "total_tokens": best["settings"]["total_tokens"], "chain_depth": runtime.chain_depth,
-                "measured": ["total_tokens"] if chosen else [], "measured_on": where}
+        return RecommendedRuntime(top_k=runtime.tree_top_k, depth=runtime.tree_depth,
+                                  total_tokens=best["settings"]["total_tokens"], chain_depth=runtime.chain_depth,
+                                  measured=("total_tokens",) if chosen else (), measured_on=where)
     if "medusa" in extra:
-        return {"medusa_choices": extra["medusa"]["choices"],
-                "measured": ["medusa_choices"] if runtime.medusa_choices == "auto" else [], "measured_on": where}
-    return {}
+        return RecommendedRuntime(medusa_choices=extra["medusa"]["choices"],
+                                  measured=("medusa_choices",) if runtime.medusa_choices == "auto" else (),
+                                  measured_on=where)
+    return None

@@ -27,6 +27,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from export.config import ExportConfig
 from heads.cli import exit_status, hydra_argv, sweep_output
+from heads.recommended import RecommendedRuntime
 
 CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf" / "export")
 USAGE = "usage: python -m export ckpt=DIR format=FORMAT out=DIR [dtype=...] [base=MODEL] [overwrite=true]\n" \
@@ -39,26 +40,7 @@ def load_base(spec: str):
     return load_target(TargetConfig(name_or_path=spec, device="cpu"))
 
 
-def _measured_runtime(manifest: dict) -> dict | None:
-    """Runtime settings to carry into a re-export: a checkpoint's own record as it is, an earlier
-    export's only when it was measured (flattened back to eval's keys)."""
-    runtime = manifest.get("runtime")
-    if not isinstance(runtime, dict):
-        return None
-    if "source" not in runtime:
-        return runtime
-    if runtime["source"] != "measured":
-        return None
-    # where each value came from travels with it: a configured value stays configured
-    provenance = {"measured": [key for key, kind in (runtime.get("sources") or {}).items() if kind == "measured"],
-                  "measured_on": runtime.get("measured_on")} if "sources" in runtime else {}
-    policy = {"batch_policy": runtime["batch_policy"]} if runtime.get("batch_policy") else {}
-    if "medusa_choices" in runtime:
-        return {"medusa_choices": runtime["medusa_choices"], **provenance, **policy}
-    return {**runtime["tree"], "chain_depth": runtime["chain_depth"], **provenance, **policy}
-
-
-def _report_runtime(path: str) -> dict:
+def _report_runtime(path: str) -> RecommendedRuntime:
     """The recommended runtime of an eval report.json (e.g. a batch-size sweep's, with its policy)."""
     try:
         report = json.loads(Path(path).read_text())
@@ -67,19 +49,23 @@ def _report_runtime(path: str) -> dict:
     runtime = report.get("recommended_runtime") if isinstance(report, dict) else None
     if not isinstance(runtime, dict) or not runtime:
         raise ValueError(f"eval_report={path}: no recommended_runtime in it (a report of `python -m eval` with a head)")
-    return runtime
+    return RecommendedRuntime.from_dict(runtime)
 
 
 def run_export(cfg: ExportConfig) -> dict[str, Path]:
     from export import ExportError, export_all, export_head, load_export
+    from export.manifest import runtime_from_manifest
 
     if not cfg.ckpt or not cfg.out:
         raise ExportError("ckpt=... and out=... are required\n" + USAGE)
     head, config, manifest = load_export(cfg.ckpt, None, dtype="float32")
     target = load_base(cfg.base or config.target_name)
     extra = {key: manifest.get(key) for key in ("training", "eval") if isinstance(manifest.get(key), dict)}
-    runtime = _report_runtime(cfg.eval_report) if cfg.eval_report else _measured_runtime(manifest)
-    if runtime:
+    if cfg.eval_report:
+        runtime = _report_runtime(cfg.eval_report)
+    else:
+        runtime = runtime_from_manifest(manifest.get("runtime"))
+    if runtime is not None:
         extra["runtime"] = runtime
     if cfg.format is None:
         return export_all(head, config, cfg.formats, cfg.out, target, cfg.dtype, cfg.native_dtype, extra,

@@ -12,6 +12,7 @@ from export.eagle3 import CONVENTIONS, ENTERING
 from export.formats import EXPORT_FORMAT_VERSION, BaseModel, Format
 from export.medusa import default_choices
 from heads.io import head_type
+from heads.recommended import CONFIGURED, DEFAULT, MEASURED, RecommendedRuntime
 
 MANIFEST_NAME = "specheads.json"
 README_NAME = "README.md"
@@ -85,24 +86,6 @@ def feature_convention(kind: str, num_layers: int, config=None, fmt: Format | No
     }
 
 
-# Which of eval's settings come from its timings; the others are copied from its configuration.
-# Records without a "measured" list (older checkpoints) are read with this default.
-_TIMED = ("total_tokens", "medusa_choices")
-
-
-def _provenance(runtime: dict, keys: tuple[str, ...]) -> tuple[dict, str, dict | None]:
-    """(per-key source, overall source, measured_on) of eval's runtime record: "measured" (chosen
-    from timings), "configured" (a config value eval ran with) or "default (not measured)"."""
-    timed = set(runtime.get("measured", _TIMED))
-    sources = {key: ("default (not measured)" if key not in runtime else
-                     "measured" if key in timed else "configured") for key in keys}
-    overall = next((kind for kind in ("measured", "configured") if kind in sources.values()), "default (not measured)")
-    where = runtime.get("measured_on") if overall == "measured" else None
-    if overall == "measured" and not where:
-        where = {"device_type": "unknown", "hardware": "not recorded"}
-    return sources, overall, where
-
-
 def serving_advice(where: dict | None) -> str:
     """What the engine settings are worth on a GPU server, given where they were measured."""
     if where is None:
@@ -114,15 +97,17 @@ def serving_advice(where: dict | None) -> str:
             "to choose the engine settings")
 
 
-def recommended_runtime(config, runtime: dict | None) -> dict:
-    """Runtime settings for the head plus each engine's flag values for them. `runtime` holds what
-    eval ran with (eagle: top_k, depth, total_tokens, chain_depth; medusa: medusa_choices), which
-    of them it chose from timings (`measured`) and on what hardware (`measured_on`). Each setting
-    is labelled measured / configured / default, and the engine flags carry the hardware."""
-    runtime = dict(runtime or {})
+def recommended_runtime(config, runtime: RecommendedRuntime | None) -> dict:
+    """The manifest's `runtime` section: eval's record (None: nothing measured) with a default
+    for each setting it left unset, each setting labelled measured / configured / default, the
+    hardware that timed them, and each engine's flag values for them."""
+    runtime = runtime or RecommendedRuntime()
+    if not isinstance(runtime, RecommendedRuntime):
+        raise TypeError(f"recommended runtime: expected a RecommendedRuntime, got {type(runtime).__name__}")
     if head_type(config) in ("eagle", "eagle3"):
-        values = {key: int(runtime.get(key, default)) for key, default in _EAGLE_DEFAULTS.items()}
-        sources, source, where = _provenance(runtime, tuple(_EAGLE_DEFAULTS))
+        values = {key: int(getattr(runtime, key) if getattr(runtime, key) is not None else default)
+                  for key, default in _EAGLE_DEFAULTS.items()}
+        sources, source, where = runtime.provenance(tuple(_EAGLE_DEFAULTS))
         return _with_batch_policy({
             "tree": {key: values[key] for key in ("top_k", "depth", "total_tokens")},
             "chain_depth": values["chain_depth"], "source": source, "sources": sources,
@@ -131,9 +116,9 @@ def recommended_runtime(config, runtime: dict | None) -> dict:
             "sglang": {"speculative_num_steps": values["depth"], "speculative_eagle_topk": values["top_k"],
                        "speculative_num_draft_tokens": values["total_tokens"]},
             "vllm": {"num_speculative_tokens": values["chain_depth"]},
-        }, runtime.get("batch_policy"))
-    sources, source, where = _provenance(runtime, ("medusa_choices",))
-    choices = runtime.get("medusa_choices")
+        }, runtime.batch_policy)
+    sources, source, where = runtime.provenance(("medusa_choices",))
+    choices = runtime.medusa_choices
     choices = [list(path) for path in choices] if choices else default_choices(config.num_heads)
     return _with_batch_policy({
         "medusa_choices": choices, "source": source, "sources": sources,
@@ -154,6 +139,28 @@ def _with_batch_policy(runtime: dict, policy: dict | None) -> dict:
         policy["vllm"]["num_speculative_tokens_per_batch_size"]
     runtime.setdefault("tensorrt_llm", {})["draft_len_schedule"] = policy["tensorrt_llm"]["draft_len_schedule"]
     return runtime
+
+
+def runtime_from_manifest(section) -> RecommendedRuntime | None:
+    """The record behind a `runtime` section, for a re-export: a checkpoint's own record as it is;
+    an export's only when something in it was measured (defaults and configured values are the
+    new export's to choose), each setting keeping its label."""
+    if not isinstance(section, dict):
+        return None
+    if "source" not in section:  # a checkpoint's meta holds eval's record itself
+        return RecommendedRuntime.from_dict(section)
+    if section["source"] != MEASURED:
+        return None
+    values = dict(section.get("tree") or {})
+    for key in ("chain_depth", "medusa_choices", "batch_policy"):
+        if key in section:
+            values[key] = section[key]
+    if "sources" not in section:  # written before sections labelled each setting: read as TIMED
+        return RecommendedRuntime(**values)
+    labels = {**section["sources"], **({"batch_policy": MEASURED} if "batch_policy" in section else {})}
+    kept = {key: value for key, value in values.items() if labels.get(key, CONFIGURED) != DEFAULT}
+    return RecommendedRuntime(**kept, measured=tuple(key for key, kind in labels.items() if kind == MEASURED),
+                              measured_on=section.get("measured_on"))
 
 
 def build_manifest(fmt: Format, config, base: BaseModel, target, dtype: str, files: dict,
@@ -241,8 +248,7 @@ def serve_command(manifest: dict, folder: str = "./THIS_FOLDER") -> str:
                 "python examples/run.py --engine_dir ./engine --tokenizer_dir <base folder> \\\n"
                 "  --medusa_choices=\"$(python -c 'import json; print(json.load(open(\"" + folder
                 + "/config.json\"))[\"medusa_choices\"])')\" --temperature 1.0 --input_text 'Hello'")
-    return (f"python -m train trainer.init_from={folder}   # in Python: heads.io.load_head('{folder}') "
-            f"or export.load_export('{folder}')")
+    return f"python -m train trainer.init_from={folder}   # in Python: export.load_export('{folder}')"
 
 
 def _table(values: dict | None) -> str:

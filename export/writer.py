@@ -146,9 +146,9 @@ def export_head(head: nn.Module, config, fmt: str, out_dir: str | os.PathLike, t
     """Export a trained head in format `fmt` (one of export.formats.FORMAT_NAMES) to `out_dir`.
 
     target: the FrozenTarget the head was trained on (its embedding / lm_head go into the engine
-    files; its fingerprint into the manifest). manifest_extra: optional dicts `runtime` (eagle:
-    top_k, depth, total_tokens, chain_depth; medusa: medusa_choices — what eval used), `training`
-    (steps, tokens, held-out accuracies, ...), `eval` (tau, speedup, hardware, ...), `notes` (list
+    files; its fingerprint into the manifest). manifest_extra: optional `runtime` (the
+    heads.recommended.RecommendedRuntime eval chose), dicts `training` (steps, tokens, held-out
+    accuracies, ...) and `eval` (tau, speedup, hardware, ...), `notes` (list
     of str), `base_model_id` (hub id engines load the base by). An existing `out_dir` is replaced
     only when it is an earlier export of the same format and head type, or with `overwrite` any
     export (`check_destination`). Returns the folder; it is validated before it is renamed into

@@ -13,6 +13,7 @@ from export import ExportError, validate_export
 from export.__main__ import CONF_DIR, cli, run_export, run_validate, to_export_config
 from export.config import ExportConfig
 from heads.io import save_head
+from heads.recommended import RecommendedRuntime
 from tests.export.conftest import SIZES, make_eagle, make_eagle3
 from tests.tiny import tiny_model
 
@@ -120,7 +121,7 @@ def test_reexport_keeps_measured_runtime_settings(saved):
     from export import export_head
 
     head, config = make_eagle(saved["target"])
-    runtime = {"top_k": 3, "depth": 2, "total_tokens": 7, "chain_depth": 2}
+    runtime = RecommendedRuntime(top_k=3, depth=2, total_tokens=7, chain_depth=2)
     first = export_head(head, config, "eagle", saved["root"] / "measured", saved["target"],
                         manifest_extra={"runtime": runtime})
     again = run_export(ExportConfig(ckpt=str(first), out=str(saved["root"] / "measured2"), format="eagle_vllm",

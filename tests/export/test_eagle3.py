@@ -12,6 +12,7 @@ from safetensors import safe_open
 
 from export import ExportError, export_all, export_head, load_export, resolve_formats
 from export.eagle3 import to_entering_ids, to_output_ids
+from heads.recommended import RecommendedRuntime
 from tests.export.conftest import SIZES, make_eagle3, make_target3
 
 # FORMATS.md "EAGLE-3", SafeAILab / SGLang / TensorRT-LLM layout. `L.` is `midlayer.` there and
@@ -142,7 +143,7 @@ def test_vllm_config_fields(tmp_path, target3, norm_before_residual):
 def test_speculators_config_fields(tmp_path, target3):
     head, config = make_eagle3(target3)
     folder = export_head(head, config, "speculators", tmp_path / "s", target3,
-                         manifest_extra={"runtime": {"chain_depth": 5}, "base_model_id": "org/tiny-base"})
+                         manifest_extra={"runtime": RecommendedRuntime(chain_depth=5), "base_model_id": "org/tiny-base"})
     _, cfg = _read(folder)
     # FORMATS.md "speculators format" field list.
     assert cfg["speculators_model_type"] == "eagle3" and cfg["architectures"] == ["Eagle3DraftModel"]

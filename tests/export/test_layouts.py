@@ -11,6 +11,7 @@ import torch
 from safetensors import safe_open
 
 from export import ExportError, export_head
+from heads.recommended import RecommendedRuntime
 from tests.export.conftest import SIZES, make_eagle, make_medusa, make_target
 
 # FORMATS.md "EAGLE-1/2": key -> shape in symbols. fc.bias only with `bias: true`.
@@ -121,7 +122,7 @@ def test_medusa_keys_shapes_and_config(tmp_path, target, share_lm_head):
     K, L = config.num_heads, config.num_layers
     choices = [[0], [1], [0, 0], [0, 0, 0]]
     folder = export_head(head, config, "medusa", tmp_path / "out", target, dtype="float16",
-                         manifest_extra={"runtime": {"medusa_choices": choices}})
+                         manifest_extra={"runtime": RecommendedRuntime(medusa_choices=choices)})
     assert not (folder / "medusa_lm_head.pt").exists()
     tensors, cfg = _read(folder, "medusa_lm_head.safetensors")
     expected = {}

@@ -9,6 +9,7 @@ import torch
 
 from export import ExportError, export_all, export_head, load_export, resolve_formats
 from heads.io import HeadMismatchError
+from heads.recommended import RecommendedRuntime
 from tests.export.conftest import make_eagle, make_medusa, make_target
 
 TOLERANCE = {"float32": 0.0, "bfloat16": 5e-2, "float16": 5e-3}  # relative to the output's scale
@@ -90,7 +91,7 @@ def test_export_refuses_a_head_of_another_target(tmp_path, target):
 
 def test_manifest_and_model_card(tmp_path, target):
     head, config = make_eagle(target)
-    extra = {"runtime": {"top_k": 4, "depth": 3, "total_tokens": 12, "chain_depth": 3},
+    extra = {"runtime": RecommendedRuntime(top_k=4, depth=3, total_tokens=12, chain_depth=3),
              "training": {"steps": 200, "tokens": 123456, "eval_top1": [0.61, 0.42]},
              "eval": {"tau": 2.4, "speedup": 1.7, "hardware": "2-core CPU"}, "base_model_id": "org/tiny-base"}
     folder = export_head(head, config, "eagle", tmp_path / "e", target, manifest_extra=extra)
