@@ -125,7 +125,7 @@ def recommended_runtime(config, runtime: RecommendedRuntime | None) -> dict:
         "measured_on": where, "gpu_serving_advice": bool(where and where.get("device_type") == "cuda"),
         "advice": serving_advice(where),
         "tensorrt_llm": {"num_medusa_heads": config.num_heads, "max_draft_len": len(choices)},
-    }, runtime.get("batch_policy"))
+    }, runtime.batch_policy)
 
 
 def _with_batch_policy(runtime: dict, policy: dict | None) -> dict:

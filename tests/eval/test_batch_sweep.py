@@ -108,14 +108,15 @@ def test_batch_sizes_are_checked():
 
 def test_manifest_carries_the_policy_in_engine_terms():
     from export.manifest import recommended_runtime
+    from heads.recommended import RecommendedRuntime
     from heads.eagle import EagleConfig
 
     policy = choose_policy("eagle_tree", {1: 1.0, 2: 2.0}, {1: {8: 1.5}, 2: {8: 1.9}}, {8: 3},
                            {"device_type": "cpu", "hardware": "CPU test, 2 threads"}).to_dict()
     config = EagleConfig(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
                          head_dim=16, vocab_size=128)
-    runtime = recommended_runtime(config, {"total_tokens": 8, "measured": ["total_tokens", "batch_policy"],
-                                           "measured_on": policy["measured_on"], "batch_policy": policy})
+    runtime = recommended_runtime(config, RecommendedRuntime(total_tokens=8, measured=["total_tokens", "batch_policy"],
+                                                             measured_on=policy["measured_on"], batch_policy=policy))
     assert runtime["vllm"]["num_speculative_tokens_per_batch_size"] == [[1, 1, 3], [2, 1 << 20, 0]]
     assert runtime["tensorrt_llm"]["draft_len_schedule"] == {"1": 3}
     assert runtime["batch_policy"]["measured_on"]["hardware"] == "CPU test, 2 threads"
