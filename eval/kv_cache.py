@@ -3,6 +3,9 @@
 The cache holds `length` committed entries in slots [0, length). A forward over N new tokens writes
 their keys/values into slots [length, length + N) ("pending"); after verification `compact` keeps
 the accepted ones, moved in place to consecutive slots, and drops the rest.
+
+A target split across devices keeps each layer's entries on the device that computes the layer:
+one buffer per run of consecutive layers on one device.
 """
 from __future__ import annotations
 
@@ -12,13 +15,37 @@ import torch
 
 
 class KVCache:
-    """k, v: (L, Hkv, S, hd) buffers; S = max_length fixed at construction."""
+    """k, v: (L, Hkv, S, hd) buffers; S = max_length fixed at construction. `device`: one device, or
+    one per layer (a split target); then k and v are lists of per-layer (Hkv, S, hd) views into one
+    buffer per run of consecutive layers on one device (`k[layer]` reads alike either way)."""
 
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, max_length: int,
-                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"):
-        shape = (num_layers, num_kv_heads, max_length, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+                 dtype: torch.dtype = torch.float32, device: torch.device | str | Sequence = "cpu"):
+        if isinstance(device, (str, torch.device)):
+            devices = [torch.device(device)] * num_layers
+        else:
+            devices = [torch.device(d) for d in device]
+            if len(devices) != num_layers:
+                raise ValueError(f"KV cache: {len(devices)} devices for {num_layers} layers")
+        runs = [1]
+        for previous, current in zip(devices, devices[1:]):
+            if current == previous:
+                runs[-1] += 1
+            else:
+                runs.append(1)
+        self.buffers = []  # (k, v) per run of layers on one device: (L_run, Hkv, S, hd)
+        start = 0
+        for count in runs:
+            shape = (count, num_kv_heads, max_length, head_dim)
+            where = devices[start] if devices else "cpu"
+            self.buffers.append((torch.zeros(shape, dtype=dtype, device=where),
+                                 torch.zeros(shape, dtype=dtype, device=where)))
+            start += count
+        if len(self.buffers) == 1:
+            self.k, self.v = self.buffers[0]
+        else:
+            self.k = [layer for k, _ in self.buffers for layer in k]
+            self.v = [layer for _, v in self.buffers for layer in v]
         self.length = 0
         self.pending = 0
 
@@ -31,7 +58,7 @@ class KVCache:
 
     @property
     def max_length(self) -> int:
-        return self.k.shape[2]
+        return self.buffers[0][0].shape[2]
 
     def reserve(self, n: int) -> None:
         """Start a forward over n new tokens (they go to slots [length, length + n))."""
@@ -53,10 +80,11 @@ class KVCache:
         if any(not 0 <= i < self.pending for i in accepted):
             raise ValueError(f"compact: indices {accepted} outside the {self.pending} pending entries")
         if accepted != list(range(count)):  # a prefix of the pending block is already in place
-            source = torch.tensor(accepted, device=self.k.device) + self.length
             target = slice(self.length, self.length + count)
-            self.k[:, :, target] = self.k.index_select(2, source)
-            self.v[:, :, target] = self.v.index_select(2, source)
+            for k, v in self.buffers:
+                source = torch.tensor(accepted, device=k.device) + self.length
+                k[:, :, target] = k.index_select(2, source)
+                v[:, :, target] = v.index_select(2, source)
         self.length += count
         self.pending = 0
 

@@ -305,7 +305,8 @@ def select_paths(model, sizes: Sequence[int], candidates: Sequence[str] = DEFAUL
                  budget: float = 3.0, trim: bool = True) -> dict:
     """Measure, choose and install the path per site and row count on `model` (a LeanLlama).
 
-    sizes: the row counts the runtime will run (1 is always added; above MAX_ROWS dropped).
+    sizes: the row counts the runtime will run (1 is always added; above MAX_ROWS dropped). A model
+    without weight copies (`LeanConfig.weight_copies`) chooses among the paths on its own layout.
     budget: weight copies the chosen layouts may hold in all (layouts shared with the source model
     count 0; the default rule holds up to 2: a plain copy plus oneDNN's). Candidates whose output
     on the site's first layer is off the float64 product by more than round-off (`parity_error`)
@@ -313,6 +314,8 @@ def select_paths(model, sizes: Sequence[int], candidates: Sequence[str] = DEFAUL
     Returns the report: sizes, per-site times (ms), the choice, parity errors, memory."""
     start = time.perf_counter()
     sites = model.linear_sites()
+    if not model.config.weight_copies:  # the target's weights in place: only paths on their (out, in) layout
+        candidates = [p for p in candidates if PATHS[p].layout == "rm"]
     sizes = sorted({1, *(int(n) for n in sizes if 1 <= int(n) <= MAX_ROWS)})
     parity, usable = {}, {}
     for site, linears in sites.items():

@@ -6,17 +6,29 @@ chain or a tree) are processed against a preallocated `KVCache` with explicit po
 explicit boolean mask among the new tokens. Linear weights are stored transposed and contiguous
 (`x @ W_t`): on the CPU this is ~2x faster than `F.linear` for one row (PERF-NOTES.md).
 Mistral's sliding window is not applied (contexts here are far below it).
+
+A target split across devices (transformers' `hf_device_map`, e.g. a 70B target over a GPU group)
+runs where it lies: each decoder layer computes on the device holding its weights, its KV cache
+lives there, and the activations (with the rotary tables and the tree mask) move at each boundary;
+logits and hidden states come back on the lm_head's device (`output_device`).
+
+Weights (`eval.placement.weight_copies_allowed`): the lean forward keeps weight copies in other layouts (the
+transposed and oneDNN-packed layouts of `eval.linear_paths`, fused q|k|v and gate|up) only for a
+target on the CPU, in one piece, with memory for two more copies. Otherwise it runs on the target's
+own tensors: every linear layer reads the (out, in) weight in place, and fusing concatenates q|k|v
+(gate|up) once and makes the transformers module's parameters views of the fused tensor, so the
+model holds one copy either way.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Any, Mapping, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from eval import linear_paths
+from eval import linear_paths, placement
 from eval.attention import resolve_backend, tree_attention
 from eval.attention.reference import additive_mask
 from eval.kv_cache import KVCache
@@ -36,6 +48,7 @@ class LeanConfig:
     attention: str = "auto"  # tree attention backend: auto | reference | triton
     fuse_projections: bool = True  # one q|k|v and one gate|up matmul: fewer ops per decode step
     pack_multi_row: bool = True  # CPU fp32: oneDNN-packed weight copies for N >= 2 rows (see Linear)
+    weight_copies: bool = True  # False: the target's own weights only (module docstring)
 
 
 @dataclass
@@ -58,20 +71,26 @@ class Linear(nn.Module):
     through a oneDNN-blocked copy of the weight. `use` installs a measured plan instead; the layer
     then keeps only the layouts that plan runs on, plus one plain layout for `weight_t`.
     `share=True` lets an (out, in) layout be the source tensor itself (no copy; it must not change).
+    `copies=False` runs on the source tensor only (every row count through `F.linear`, unless a plan
+    names another path on that layout) and refuses to build any other layout.
     """
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, pack: bool = False,
-                 share: bool = False):
+                 share: bool = False, copies: bool = True):
         super().__init__()
         weight = weight.detach()
-        self.row_major = weight.shape[1] > weight.shape[0]  # in > out
-        self._source = weight if share and weight.is_contiguous() else None  # (out, in), shared memory
+        if not copies and not weight.is_contiguous():
+            raise ValueError("a linear layer without weight copies needs a contiguous (out, in) weight")
+        self.copies = copies
+        self.row_major = weight.shape[1] > weight.shape[0] or not copies  # in > out
+        self._source = weight if (share or not copies) and weight.is_contiguous() else None  # (out, in), shared
         stored = (self._source if self._source is not None else weight.contiguous().clone()) if self.row_major \
             else weight.t().contiguous()
         self.weight_stored = nn.Parameter(stored, requires_grad=False)
-        self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
+        bias = None if bias is None else bias.detach() if not copies else bias.detach().clone()
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
         self.layouts: dict[str, torch.Tensor] = {"rm" if self.row_major else "t": stored}
-        if pack and linear_paths.can_pack(weight):
+        if pack and copies and linear_paths.can_pack(weight):
             self.layouts["dnnl"] = linear_paths.build_layout("dnnl", weight)
         self.plan: dict[int, str] | None = None  # measured size -> path; None: the default rule
         self.use(None)
@@ -88,6 +107,10 @@ class Linear(nn.Module):
     def layout(self, name: str) -> torch.Tensor:
         """The weight in layout `name`, built (and kept) if missing."""
         if name not in self.layouts:
+            if not self.copies:
+                raise ValueError(f"linear layout {name!r} would copy the weights of a target whose weights are "
+                                 f"used as they are (split, not on the CPU, or short of memory: "
+                                 f"eval.model.weight_copies_allowed); only paths on the (out, in) layout run")
             source = self._source if self._source is not None else self.weight_t.t()
             self.layouts[name] = linear_paths.build_layout(name, source)
         return self.layouts[name]
@@ -141,9 +164,12 @@ class Linear(nn.Module):
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, weight: torch.Tensor, eps: float):
+    """share=True reads `weight` in place (a frozen target's); otherwise a copy (a head may train on)."""
+
+    def __init__(self, weight: torch.Tensor, eps: float, share: bool = False):
         super().__init__()
-        self.weight = nn.Parameter(weight.detach().clone(), requires_grad=False)
+        weight = weight.detach()
+        self.weight = nn.Parameter(weight if share else weight.clone(), requires_grad=False)
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -159,12 +185,14 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> tor
 
 
 class Attention(nn.Module):
-    def __init__(self, config: LeanConfig, layer: int, q, k, v, o, q_norm=None, k_norm=None):
+    def __init__(self, config: LeanConfig, layer: int, q, k, v, o, q_norm=None, k_norm=None,
+                 qkv: Linear | None = None):
+        """qkv: the fused q|k|v projection when already built (then q, k, v are unused)."""
         super().__init__()
         self.config, self.layer = config, layer
         self.o_proj, self.q_norm, self.k_norm = o, q_norm, k_norm
         if config.fuse_projections:
-            self.qkv_proj = _fused(q, k, v)
+            self.qkv_proj = qkv if qkv is not None else _fused(q, k, v)
         else:
             self.q_proj, self.k_proj, self.v_proj = q, k, v
 
@@ -222,11 +250,11 @@ def _fused(*linears: Linear) -> Linear:
 
 
 class MLP(nn.Module):
-    def __init__(self, gate, up, down, fuse: bool = False):
+    def __init__(self, gate, up, down, fuse: bool = False, gate_up: Linear | None = None):
         super().__init__()
         self.down_proj = down
         if fuse:
-            self.gate_up_proj = _fused(gate, up)
+            self.gate_up_proj = gate_up if gate_up is not None else _fused(gate, up)
         else:
             self.gate_proj, self.up_proj = gate, up
         self.fuse = fuse
@@ -255,25 +283,52 @@ class LeanLlama(nn.Module):
     """The target (or a truncated copy of it) as a plain forward over an explicit KV cache."""
 
     def __init__(self, config: LeanConfig, embedding: torch.Tensor, blocks: Sequence[Block], norm: RMSNorm,
-                 lm_head: Linear, inv_freq: torch.Tensor, attention_scaling: float = 1.0):
+                 lm_head: Linear, inv_freq: torch.Tensor, attention_scaling: float = 1.0,
+                 keys: Sequence | None = None, devices: Sequence[torch.device] | None = None,
+                 weights_note: str = ""):
+        """keys, devices: the placement (`eval.placement.locate`) of the embedding, each block and the head;
+        default: all on the embedding's device."""
         super().__init__()
         self.config = config
         self.embedding = nn.Parameter(embedding, requires_grad=False)  # (V, D), shared with the HF model
         self.blocks = nn.ModuleList(blocks)
         self.norm, self.lm_head = norm, lm_head
-        positions = torch.arange(config.max_seq_len, dtype=torch.float32, device=inv_freq.device)
-        angles = torch.outer(positions, inv_freq.float())
+        if devices is None:
+            devices = [embedding.device] * (config.num_layers + 2)
+            keys = [str(embedding.device)] * len(devices)
+        self.keys, self.devices = list(keys), list(devices)
+        self.stages, self.head_stage = placement.stages(self.keys, self.devices, config.num_layers)
+        self.weights_note = weights_note
+        positions = torch.arange(config.max_seq_len, dtype=torch.float32, device=embedding.device)
+        angles = torch.outer(positions, inv_freq.to(embedding.device).float())
         cos, sin = angles.cos() * attention_scaling, angles.sin() * attention_scaling  # (S, hd/2)
         dtype = embedding.dtype
         self.register_buffer("cos", torch.cat((cos, cos), dim=-1).to(dtype), persistent=False)  # (S, hd)
         self.register_buffer("sin", torch.cat((-sin, sin), dim=-1).to(dtype), persistent=False)  # signed
 
+    @property
+    def output_device(self) -> torch.device:
+        """Where logits and hidden states come back: the lm_head's device."""
+        return self.head_stage.device
+
+    @property
+    def is_split(self) -> bool:
+        return len(set(self.keys)) > 1
+
     @classmethod
     @torch.no_grad()
     def from_hf(cls, hf_model: nn.Module, max_seq_len: int = 2048, attention: str = "auto",
-                fuse_projections: bool = True, pack_multi_row: bool = True) -> "LeanLlama":
-        """Build from a transformers *ForCausalLM of the Llama family by parameter name."""
+                fuse_projections: bool = True, pack_multi_row: bool = True, weight_copies: bool | None = None,
+                device_map: Mapping[str, Any] | None = None, devices: Mapping[Any, Any] | None = None) -> "LeanLlama":
+        """Build from a transformers *ForCausalLM of the Llama family by parameter name, computing
+        each part where its weights lie (`eval.placement.locate`: device_map, devices). weight_copies: None
+        applies `weight_copies_allowed`; False runs on the target's own weights, fusing in place."""
         hf_config = hf_model.config
+        keys, where = placement.locate(hf_model, device_map, devices)
+        note = "weight copies as asked" if weight_copies else "the target's own weights, as asked"
+        if weight_copies is None:
+            weight_bytes = sum(p.numel() * p.element_size() for p in hf_model.parameters())
+            weight_copies, note = placement.weight_copies_allowed(where, keys, weight_bytes)
         weights = dict(hf_model.named_parameters())
         weights.update(dict(hf_model.named_buffers()))
         num_heads = hf_config.num_attention_heads
@@ -289,32 +344,51 @@ class LeanLlama(nn.Module):
             max_seq_len=max_seq_len,
             attention=attention,
             fuse_projections=fuse_projections,
-            pack_multi_row=pack_multi_row,
+            pack_multi_row=pack_multi_row and weight_copies,
+            weight_copies=weight_copies,
         )
 
         def linear(name: str) -> Linear:
-            return Linear(weights[f"{name}.weight"], weights.get(f"{name}.bias"), pack=pack_multi_row, share=True)
+            return Linear(weights[f"{name}.weight"], weights.get(f"{name}.bias"), pack=config.pack_multi_row,
+                          share=True, copies=weight_copies)
+
+        def fused(prefix: str, names: Sequence[str]) -> Linear | None:
+            """Without copies: the parts fused in place in the HF modules (none are built alone)."""
+            if weight_copies or not fuse_projections:
+                return None
+            modules = [hf_model.get_submodule(f"{prefix}.{n}") for n in names]
+            rows = [m.weight.shape[0] for m in modules]
+            return Linear(placement.fuse_in_place([m.weight for m in modules], rows),
+                          placement.fuse_in_place([m.bias for m in modules], rows), copies=False)
+
+        def unfused(name: str, fuse: Linear | None) -> Linear | None:
+            return None if fuse is not None else linear(name)
 
         def norm(name: str) -> RMSNorm | None:
             weight = weights.get(f"{name}.weight")
-            return None if weight is None else RMSNorm(weight, config.rms_norm_eps)
+            return None if weight is None else RMSNorm(weight, config.rms_norm_eps, share=True)
 
         blocks = []
         for i in range(config.num_layers):
             p = f"model.layers.{i}"
+            qkv = fused(f"{p}.self_attn", ("q_proj", "k_proj", "v_proj"))
             attention_module = Attention(
-                config, i, *(linear(f"{p}.self_attn.{n}_proj") for n in "qkvo"),
-                q_norm=norm(f"{p}.self_attn.q_norm"), k_norm=norm(f"{p}.self_attn.k_norm"),
+                config, i, *(unfused(f"{p}.self_attn.{n}_proj", qkv) for n in "qkv"), linear(f"{p}.self_attn.o_proj"),
+                q_norm=norm(f"{p}.self_attn.q_norm"), k_norm=norm(f"{p}.self_attn.k_norm"), qkv=qkv,
             )
-            mlp = MLP(*(linear(f"{p}.mlp.{n}_proj") for n in ("gate", "up", "down")), fuse=fuse_projections)
+            gate_up = fused(f"{p}.mlp", ("gate_proj", "up_proj"))
+            mlp = MLP(unfused(f"{p}.mlp.gate_proj", gate_up), unfused(f"{p}.mlp.up_proj", gate_up),
+                      linear(f"{p}.mlp.down_proj"), fuse=fuse_projections, gate_up=gate_up)
             blocks.append(Block(attention_module, mlp, norm(f"{p}.input_layernorm"),
                                 norm(f"{p}.post_attention_layernorm")))
         rotary = hf_model.model.rotary_emb
         return cls(
             config, hf_model.get_input_embeddings().weight.detach(), blocks, norm("model.norm"),
-            Linear(hf_model.get_output_embeddings().weight, pack=pack_multi_row, share=True),
-            rotary.inv_freq.detach().clone(),
+            Linear(hf_model.get_output_embeddings().weight, pack=config.pack_multi_row, share=True,
+                   copies=weight_copies),
+            rotary.inv_freq.detach(),
             float(getattr(rotary, "attention_scaling", 1.0)),
+            keys, where, note,
         )
 
     def linear_sites(self) -> dict[str, list[Linear]]:
@@ -339,14 +413,19 @@ class LeanLlama(nn.Module):
         draft.embedding = self.embedding
         draft.blocks = nn.ModuleList(self.blocks[:num_layers])
         draft.norm, draft.lm_head = self.norm, self.lm_head
+        draft.keys = self.keys[:1 + num_layers] + self.keys[-1:]
+        draft.devices = self.devices[:1 + num_layers] + self.devices[-1:]
+        draft.stages, draft.head_stage = placement.stages(draft.keys, draft.devices, num_layers)
+        draft.weights_note = self.weights_note
         draft.register_buffer("cos", self.cos, persistent=False)
         draft.register_buffer("sin", self.sin, persistent=False)
         return draft
 
     def new_cache(self, max_length: int | None = None) -> KVCache:
+        """A cache whose layer entries live on their layers' devices."""
         c = self.config
         return KVCache(c.num_layers, c.num_kv_heads, c.head_dim, max_length or c.max_seq_len,
-                       dtype=self.embedding.dtype, device=self.embedding.device)
+                       dtype=self.embedding.dtype, device=self.devices[1:1 + c.num_layers])
 
     @torch.no_grad()
     def forward(
@@ -366,6 +445,7 @@ class LeanLlama(nn.Module):
         the whole committed prefix); None = causal. tree_bits: (N,) int64 ancestor bitmask of the
         same mask (optional; the Triton backend uses it). hidden_layers: transformers numbering,
         negative counts from the final post-norm state. logits: "all" (N, V) | "last" (1, V) | "none".
+        Logits and hidden states are on `output_device`.
         Call `cache.commit()` or `cache.compact(accepted)` afterwards.
         """
         n = tokens.shape[0]
@@ -382,14 +462,20 @@ class LeanLlama(nn.Module):
         num_layers = self.config.num_layers
         wanted = {layer % (num_layers + 1) for layer in hidden_layers}
         hidden = {}
-        bias = None  # the reference attention's mask, built once for all layers
-        if n > 1 and cache.length > 0 and resolve_backend(self.config.attention, device) == "reference":
-            bias = additive_mask(cache.length, tree_mask, n, _attention_dtype(self.embedding.dtype, device), device)
         x = self.embedding[tokens]  # (N, D)
-        for i, block in enumerate(self.blocks):
-            if i in wanted:
-                hidden[i] = x
-            x = block.forward(x, cos, sin, cache, tree_mask, tree_bits, bias)
+        for stage in self.stages:
+            if stage.cross:
+                x, cos, sin, tree_mask, tree_bits = placement.move((x, cos, sin, tree_mask, tree_bits), stage.device)
+            bias = None  # the reference attention's mask, built once for the stage's layers
+            if n > 1 and cache.length > 0 and resolve_backend(self.config.attention, stage.device) == "reference":
+                bias = additive_mask(cache.length, tree_mask, n, _attention_dtype(self.embedding.dtype, stage.device),
+                                     stage.device)
+            for i in range(stage.start, stage.end):
+                if i in wanted:
+                    hidden[i] = x
+                x = self.blocks[i].forward(x, cos, sin, cache, tree_mask, tree_bits, bias)
+        if self.head_stage.cross:
+            x, = placement.move((x,), self.head_stage.device)
         if num_layers in wanted:
             x = hidden[num_layers] = self.norm(x)
         else:
@@ -397,4 +483,6 @@ class LeanLlama(nn.Module):
         if logits == "last":
             x = x[-1:]
         out = None if logits == "none" else self.lm_head(x)
+        if self.is_split:
+            hidden = {layer: state.to(self.output_device) for layer, state in hidden.items()}
         return ForwardOutput(out, hidden)

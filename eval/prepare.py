@@ -4,7 +4,9 @@ that runs (docs/performance.md).
 
 dtype "auto" keeps the target's dtype on CUDA, fp32 on a CPU without bf16 instructions (AVX512-BF16
 or AMX in /proc/cpuinfo), and otherwise the dtype whose decode step plus one verification (after
-each has its own paths) measures faster. Plain decoding, speculative decoding and transformers'
+each has its own paths) measures faster. A target whose weights may not be copied (split across
+devices, not on the CPU, or short of memory: `eval.placement.weight_copies_allowed`) keeps its own
+dtype, and its linear layers choose only among the paths that read its weights in place. Plain decoding, speculative decoding and transformers'
 `generate` then all run in that dtype, so losslessness and the speedups are judged within one dtype.
 """
 from __future__ import annotations
@@ -19,7 +21,7 @@ from typing import Mapping, Sequence
 import torch
 from torch import nn
 
-from eval import linear_paths
+from eval import linear_paths, placement
 from eval.config import RuntimeConfig
 from eval.model import LeanLlama
 
@@ -46,14 +48,21 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 
 def candidate_dtypes(setting: str, model_dtype: torch.dtype, device: torch.device,
-                     flags: set[str] | None = None) -> tuple[list[torch.dtype], str]:
-    """The dtypes to build (more than one: measure and keep the faster) and why."""
+                     flags: set[str] | None = None, copies: bool = True) -> tuple[list[torch.dtype], str]:
+    """The dtypes to build (more than one: measure and keep the faster) and why. copies=False (the
+    target's weights may not be copied): the target's dtype only, since another is a second model."""
     if setting == "target":
         return [model_dtype], "the target's dtype (runtime.dtype=target)"
     if setting != "auto":
         if setting not in DTYPES:
             raise ValueError(f"runtime.dtype must be auto, target, {', '.join(sorted(DTYPES))}; got {setting!r}")
+        if not copies and DTYPES[setting] != model_dtype:
+            raise ValueError(f"runtime.dtype={setting}: the target ({dtype_name(model_dtype)}) is used in place "
+                             f"(eval.placement.weight_copies_allowed), and another dtype would copy all of it; "
+                             f"use runtime.dtype=target or load the target in {setting} (model.dtype)")
         return [DTYPES[setting]], f"runtime.dtype={setting}"
+    if not copies:
+        return [model_dtype], "the target's dtype (its weights are used in place)"
     if device.type != "cpu":
         return [model_dtype], f"the target's dtype on {device.type}"
     bf16 = sorted(set(BF16_FLAGS) & (cpu_flags() if flags is None else flags))
@@ -150,7 +159,10 @@ def build_candidates(hf_model: nn.Module, runtime: RuntimeConfig, sizes: Sequenc
     """One Candidate per dtype `runtime.dtype` allows, each with its paths (`runtime.linear_paths`:
     measured, forced or the default rule). Returns ({dtype name: Candidate}, why these dtypes)."""
     device = next(hf_model.parameters()).device
-    dtypes, reason = candidate_dtypes(runtime.dtype, next(hf_model.parameters()).dtype, device)
+    keys, devices = placement.locate(hf_model)
+    copies, weights_note = placement.weight_copies_allowed(
+        devices, keys, sum(p.numel() * p.element_size() for p in hf_model.parameters()))
+    dtypes, reason = candidate_dtypes(runtime.dtype, next(hf_model.parameters()).dtype, device, copies=copies)
     mode = runtime.linear_paths
     if mode not in ("default", "auto") and mode not in linear_paths.PATHS:
         raise ValueError(f"runtime.linear_paths must be default, auto or one of {sorted(linear_paths.PATHS)}; "
@@ -159,7 +171,9 @@ def build_candidates(hf_model: nn.Module, runtime: RuntimeConfig, sizes: Sequenc
     for dtype in dtypes:
         model = _in_dtype(hf_model, dtype)
         lean = LeanLlama.from_hf(model, max_seq_len=max_seq_len, attention=runtime.attention,
-                                 fuse_projections=runtime.fuse_projections, pack_multi_row=runtime.pack_multi_row)
+                                 fuse_projections=runtime.fuse_projections, pack_multi_row=runtime.pack_multi_row,
+                                 weight_copies=copies)
+        lean.weights_note = weights_note
         candidate = built[dtype_name(dtype)] = Candidate(model, lean, snapshot(lean))
         if mode == "auto":
             candidate.paths = linear_paths.select_paths(lean, sizes, repeats=runtime.linear_paths_repeats,
@@ -202,7 +216,7 @@ def finish(built: Mapping[str, Candidate], curves: Mapping[str, Mapping[int, flo
         dtype_report.update(verify_size=step, decode_plus_verify_ms={k: 1e3 * v for k, v in costs.items()})
         log.info("runtime dtype %s: decode + verify(%d) %s", chosen, step,
                  {k: f"{1e3 * v:.1f} ms" for k, v in costs.items()})
-    fields = {"dtype": dtype_report}
+    fields = {"dtype": dtype_report, "weights": candidate.lean.weights_note}
     if curves:
         paths_report = {name: c.paths for name, c in built.items() if c.paths}
         fields["linear_paths"] = {

@@ -275,6 +275,8 @@ def evaluate(target, prompts: Sequence[Sequence[int]], drafter_specs: Sequence[s
     if prepared is None:
         prepared = prepare_target(target.model, runtime, runtime_sizes(runtime, specs), prompts[0], max_len)
     lean, hf_model, setup = prepared
+    if head is not None:  # it reads the target's final features and lm_head: a split target's last device
+        head = head.to(lean.output_device)
     vocabulary = _vocabulary_note(head) if head is not None else None
     sweep = bool(runtime.batch_sizes)  # per batch size the policy decides when to speculate: no fallback gate
     methods, extra = build_methods(specs, dataclasses.replace(runtime, fallback=False) if sweep else runtime, lean,

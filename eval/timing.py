@@ -23,7 +23,11 @@ def on_cuda(device) -> bool:
 
 
 def module_device(module: torch.nn.Module) -> torch.device:
-    """Where a module's work runs (its first parameter or buffer; CPU when it has none)."""
+    """Where a module's work runs: its `output_device` when it has one (a split target's last work,
+    which waits for the rest), else its first parameter or buffer's; CPU when it has none."""
+    device = getattr(module, "output_device", None)
+    if device is not None:
+        return torch.device(device)
     for tensor in (*module.parameters(), *module.buffers()):
         return tensor.device
     return torch.device("cpu")

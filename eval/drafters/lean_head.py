@@ -181,7 +181,7 @@ class LeanEagleHead:
         concatenated. Returns the outputs (n, D) (EAGLE-1/2: f̂; EAGLE-3: pre-norm)."""
         self.drafted = 0
         n = embeds.shape[0]
-        hidden = self.head_inputs.project(features.to(self.dtype))
+        hidden = self.head_inputs.project(features.to(self.device, self.dtype))
         out = self._forward(embeds, hidden, torch.arange(self.length, self.length + n, device=self.device), None)
         self.length += n
         return out
@@ -192,7 +192,7 @@ class LeanEagleHead:
         """Feed n drafted entries after the current ones; hidden (n, D): the parents' outputs.
         mask: (n, length + drafted + n) bool, True = may attend; None = everything before plus
         causal among the n. Returns the outputs (n, D)."""
-        out = self._forward(embeds, hidden.to(self.dtype), positions, mask)
+        out = self._forward(embeds, hidden.to(self.device, self.dtype), positions, mask)
         self.drafted += embeds.shape[0]
         return out
 
@@ -211,7 +211,8 @@ class LeanEagleHead:
             mask = torch.ones(n, end, dtype=torch.bool, device=self.device).tril_(start)
         elif mask is not None:
             mask = mask.to(self.device)  # drafters build tree masks on the host
-        x, residual = self.head_inputs.inputs(embeds.to(self.dtype), hidden)
+        # a split target's embeddings come from its first device, its features from its last (the head's)
+        x, residual = self.head_inputs.inputs(embeds.to(self.device, self.dtype), hidden)
         qkv = self.qkv(x).view(n, H + 2 * Hkv, hd)
         cos, sin = self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)  # (n, 1, hd)
         if self.q_norm is None:
