@@ -41,11 +41,9 @@ class KVCache:
             self.buffers.append((torch.zeros(shape, dtype=dtype, device=where),
                                  torch.zeros(shape, dtype=dtype, device=where)))
             start += count
-        if len(self.buffers) == 1:
-            self.k, self.v = self.buffers[0]
-        else:
-            self.k = [layer for k, _ in self.buffers for layer in k]
-            self.v = [layer for _, v in self.buffers for layer in v]
+        self._k_layers = [layer for k, _ in self.buffers for layer in k]  # (Hkv, S, hd) views, one per layer
+        self._v_layers = [layer for _, v in self.buffers for layer in v]
+        self.k, self.v = self.buffers[0] if len(self.buffers) == 1 else (self._k_layers, self._v_layers)
         self.length = 0
         self.pending = 0
 
@@ -69,8 +67,8 @@ class KVCache:
     def write(self, layer: int, k_new: torch.Tensor, v_new: torch.Tensor) -> None:
         """k_new, v_new: (Hkv, N, hd) for the pending slots of one layer."""
         end = self.length + k_new.shape[1]
-        self.k[layer, :, self.length:end] = k_new
-        self.v[layer, :, self.length:end] = v_new
+        self._k_layers[layer][:, self.length:end] = k_new
+        self._v_layers[layer][:, self.length:end] = v_new
 
     def compact(self, accepted: Sequence[int] | torch.Tensor) -> None:
         """Keep the pending entries `accepted` (indices into the last forward's N tokens, in path
