@@ -55,7 +55,9 @@ class Plan:
     max_steps: int = 0
     feature_extraction: list[Item] = field(default_factory=list)  # offline mode only
     extraction_replicas_per_node: int = 0
+    processes_per_node: int = 1  # what the launcher's -n must be
     training: list[Item] = field(default_factory=list)
+    evaluation: list[Item] = field(default_factory=list)  # rank 0, on the GPU of its target group holding most
     cache_bytes: float = 0.0
     cache_layers: int = 1  # target hidden-state layers stored per token
     cache_free_bytes: float | None = None
@@ -69,6 +71,10 @@ class Plan:
     @property
     def extraction_gb(self) -> float:
         return sum(item.gigabytes for item in self.feature_extraction)
+
+    @property
+    def evaluation_gb(self) -> float:
+        return sum(item.gigabytes for item in self.evaluation)
 
 
 def _require(arch: TargetArch) -> TargetArch:
@@ -200,13 +206,16 @@ def _sizes(job: JobConfig) -> tuple[int, float, float, float]:
 
 def target_span(job: JobConfig) -> int:
     """GPUs one copy of the whole target spans when it runs (feature extraction in offline mode,
-    every step online): 1 = replicated on every GPU, else split over a group of that many GPUs.
+    every step online; offline with the target kept loaded for eval, it shares its GPUs with the
+    training): 1 = replicated on every GPU, else split over a group of that many GPUs.
     Decided by deepspeed.target_placement, deepspeed.num_gpus and gpu_memory_gb."""
     dtype_bytes, budget, target_gb, forward_gb = _sizes(job)
-    if job.data.mode == "offline":
+    if job.data.mode == "offline" and not whole_target_resident(job):
         return _target_placement(job, target_gb, budget, forward_gb)
-    training = _head_items(job, job.deepspeed.num_gpus * job.deepspeed.num_nodes, dtype_bytes)
-    return _target_placement(job, target_gb, budget, sum(i.gigabytes for i in training) + forward_gb)
+    training = sum(i.gigabytes for i in _head_items(job, job.deepspeed.num_gpus * job.deepspeed.num_nodes, dtype_bytes))
+    if job.data.mode == "offline":  # the target stays loaded while the head trains from the cache
+        return _target_placement(job, target_gb, budget, max(forward_gb, training))
+    return _target_placement(job, target_gb, budget, training + forward_gb)
 
 
 def _head_items(job: JobConfig, world: int, dtype_bytes: int) -> list[Item]:
@@ -228,6 +237,34 @@ def _head_items(job: JobConfig, world: int, dtype_bytes: int) -> list[Item]:
     return items
 
 
+def whole_target_resident(job: JobConfig) -> bool:
+    """Whether an offline job keeps the whole target loaded while it trains: a stage after the cache
+    runs it (eval, regeneration), so the job loads it once for all (train.offline.parts_only_layers)."""
+    return job.data.regenerate.enabled or not set(job.stages) <= {"data", "features", "train", "export"}
+
+
+def _eval_items(job: JobConfig, span: int, target_gb: float, dtype_bytes: int) -> list[Item]:
+    """Memory of the eval stage on the busiest GPU of rank 0's target group (the last: it holds the
+    lm_head, the head and the drafters' state). The lean runtime computes each layer where it lies
+    on the target's own weights (eval.placement), so the stage holds the target, one KV cache and
+    the head; transformers' generate builds a cache of its own size only after the lean one is freed."""
+    arch, runtime = job.model.arch, job.runtime
+    head_dim = arch.hidden_size // arch.num_attention_heads
+    total = runtime.tree_total_tokens if isinstance(runtime.tree_total_tokens, int) else 0
+    positions = runtime.max_prompt_tokens + runtime.max_new_tokens + max([total, *runtime.tree_auto_sizes,
+                                                                           *runtime.tree_sweep, 64]) + 8
+    kv_bytes = 2 * arch.num_hidden_layers * arch.num_key_value_heads * head_dim * positions * dtype_bytes
+    trainable, _ = head_parameter_counts(job)
+    prefill = runtime.max_prompt_tokens * (4 * arch.hidden_size + 2 * arch.intermediate_size) * dtype_bytes
+    where = "whole, on one GPU" if span == 1 else f"split across {span} GPUs, used in place (no weight copies)"
+    return [
+        Item("frozen target shard", target_gb / span, where),
+        Item("KV cache", kv_bytes / span / GB, f"{positions} positions; each layer's on its own GPU"),
+        Item("head", 2 * trainable * 4 / GB, "fp32 weights and its lean runtime's fused copies"),
+        Item("forward transients", (prefill + arch.vocab_size * 4) / GB, "estimate: one prompt's prefill"),
+    ]
+
+
 def make_plan(job: JobConfig, num_records: int | None = None, tokens_per_record: float | None = None,
               cache_dir: str | None = None) -> Plan:
     """Plan the job's memory per GPU, feature-cache size and steps per epoch; no weights, no network.
@@ -244,9 +281,16 @@ def make_plan(job: JobConfig, num_records: int | None = None, tokens_per_record:
     layers = feature_layers(job)
     offline = job.data.mode == "offline"
 
-    world = ds.num_gpus * ds.num_nodes
+    span = target_span(job)
+    resident = offline and whole_target_resident(job)
+    # a split target fits num_gpus / span times on a node: features (and a target kept for eval) cap the processes
+    processes = ds.num_gpus // span if span > 1 and (resident or "features" in job.stages) else ds.num_gpus
+    world = processes * ds.num_nodes
     training = _head_items(job, world, dtype_bytes)
-    if offline:
+    if resident:
+        where = "replicated per GPU" if span == 1 else f"split across {span} GPUs per process"
+        training.insert(0, Item("frozen target shard", target_gb / span, f"loaded whole for the eval stage, {where}"))
+    elif offline:
         if job.heads.type == "eagle":  # the target is loaded in parts (train.offline.parts_only_layers)
             init = job.heads.eagle.init_layer
             count = len({0, init % arch.num_hidden_layers}) if init is not None else 1
@@ -256,10 +300,11 @@ def make_plan(job: JobConfig, num_records: int | None = None, tokens_per_record:
         elif job.heads.type == "eagle3":
             layer_gb = decoder_layer_parameter_count(arch) * dtype_bytes / GB
             training.insert(1, Item("target decoder layers", layer_gb, f"1 of {arch.num_hidden_layers}: layer 0's shape"))
+    if offline:
+        rest = "the target kept for eval" if resident else "the rest of the target not loaded"
         training.append(Item("feature batch", B * T * D * layers * dtype_bytes / GB,
-                             f"{layers} layer(s) read from the cache; the rest of the target not loaded"))
+                             f"{layers} layer(s) read from the cache; {rest}"))
     else:
-        span = target_span(job)
         world //= span
         training = _head_items(job, world, dtype_bytes)
         where = "replicated per GPU" if span == 1 else f"split across {span} GPUs per process (pipeline)"
@@ -279,7 +324,10 @@ def make_plan(job: JobConfig, num_records: int | None = None, tokens_per_record:
         num_records=num_records, tokens_per_record=tokens_per_record, records_assumed=assumed,
         steps_per_epoch=max(1, math.ceil(num_records / global_batch)), global_batch=global_batch,
         training=training, gpu_budget_gb=budget, max_steps=trainer.max_steps,
+        processes_per_node=world // ds.num_nodes if offline else processes // span if span > 1 else processes,
     )
+    if "eval" in job.stages:
+        plan.evaluation = _eval_items(job, span, target_gb, dtype_bytes)
     if offline:
         span = target_span(job)
         plan.extraction_replicas_per_node = max(1, ds.num_gpus // span)
@@ -318,6 +366,8 @@ def _check(plan: Plan, job: JobConfig) -> None:
             f"training needs {plan.training_gb:.1f} GB per GPU > {plan.gpu_budget_gb:.1f} GB usable "
             f"(deepspeed.gpu_memory_gb={ds.gpu_memory_gb:g} x {ds.memory_headroom:g}); largest: {biggest.name} "
             f"{biggest.gigabytes:.1f} GB{hint}")
+    if plan.evaluation_gb > plan.gpu_budget_gb:
+        plan.problems.append(f"eval needs {plan.evaluation_gb:.1f} GB on a GPU > {plan.gpu_budget_gb:.1f} GB usable")
     if plan.extraction_gb > plan.gpu_budget_gb:
         plan.problems.append(
             f"feature extraction needs {plan.extraction_gb:.1f} GB per GPU > {plan.gpu_budget_gb:.1f} GB usable "
@@ -349,6 +399,12 @@ def format_plan(plan: Plan) -> str:
         lines.append(f"  feature cache on disk: {plan.cache_bytes / GB:,.1f} GB, {plan.cache_layers} layer(s) per token ({free})")
     lines.append(f"  training, per GPU ({plan.training_gb:.1f} / {plan.gpu_budget_gb:.1f} GB usable):")
     lines += [f"    {i.name:<28} {i.gigabytes:8.2f} GB  {i.note}" for i in plan.training]
+    if plan.evaluation:
+        lines.append(f"  eval, rank 0, its busiest GPU ({plan.evaluation_gb:.1f} / {plan.gpu_budget_gb:.1f} GB usable; "
+                     f"peak = target + KV cache + head):")
+        lines += [f"    {i.name:<28} {i.gigabytes:8.2f} GB  {i.note}" for i in plan.evaluation]
+    lines.append(f"  launch: {plan.processes_per_node} process(es) per node "
+                 f"(scripts/launch_single_node.sh -n {plan.processes_per_node} +recipe={plan.recipe})")
     if plan.problems:
         lines.append("  does not fit:")
         lines += [f"    - {problem}" for problem in plan.problems]

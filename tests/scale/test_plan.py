@@ -1,4 +1,6 @@
 """Dry-run plans: parameter counts against real modules, ZeRO accounting, fit checks."""
+import math
+
 import pytest
 
 from tests.tiny import tiny_llama_config, tiny_model
@@ -68,6 +70,29 @@ def test_eagle_70b_head_is_about_one_billion_and_training_fits_offline():
     assert plan.extraction_replicas_per_node == 2  # 141 GB bf16 target: 4 GPUs of 80 GB per copy
 
 
+def test_70b_one_command_plan_keeps_the_split_target_for_eval():
+    """All stages in one launch: 2 processes per node (one per 4-GPU copy of the target), the target
+    resident while the head trains, and eval on rank 0 needing the target, a KV cache and the head."""
+    job = compose_job(["+recipe=eagle_llama3_70b"])
+    plan = make_plan(job, cache_dir="/")
+    assert plan.processes_per_node == 2 and plan.world_size == 2
+    assert plan.global_batch == 32  # micro-batch 1 x 16 accumulated x 2 processes
+    training = {item.name: item for item in plan.training}
+    assert "frozen target shard" in training and "target decoder layers" not in training
+    target = plan.target_parameters * 2 / 1e9
+    evaluation = {item.name: item.gigabytes for item in plan.evaluation}
+    assert evaluation["frozen target shard"] == pytest.approx(target / 4)
+    kv = 2 * 80 * 8 * 128 * (256 + 256 + 64 + 8) * 2 / 1e9  # prompt + new tokens + longest tree + 8, bf16
+    assert evaluation["KV cache"] == pytest.approx(kv / 4)
+    assert evaluation["head"] == pytest.approx(2 * plan.trainable_parameters * 4 / 1e9)
+    assert not [p for p in plan.problems if "disk" not in p]
+    text = format_plan(plan)
+    assert "peak = target + KV cache + head" in text and "launch_single_node.sh -n 2 +recipe=eagle_llama3_70b" in text
+    parts_only = make_plan(compose_job(["+recipe=eagle_llama3_70b", "stages=[train]"]), cache_dir="/")
+    assert parts_only.processes_per_node == 8 and not parts_only.evaluation
+    assert "target decoder layers" in {item.name for item in parts_only.training}
+
+
 def test_zero2_shards_gradients_and_optimizer_but_not_weights():
     small = make_plan(compose_job(["+recipe=eagle_llama3_8b", "deepspeed.num_gpus=2"]))
     large = make_plan(compose_job(["+recipe=eagle_llama3_8b", "deepspeed.num_gpus=8"]))
@@ -90,7 +115,7 @@ def test_replicated_70b_target_online_is_named_as_not_fitting():
 def test_small_gpu_names_training_problem_and_counts_records_given():
     plan = make_plan(compose_job(["+recipe=eagle_llama3_8b", "deepspeed.gpu_memory_gb=16"]), num_records=64_000)
     assert plan.num_records == 64_000 and not plan.records_assumed
-    assert plan.steps_per_epoch == 64_000 // (4 * 1 * 8)
+    assert plan.steps_per_epoch == math.ceil(64_000 / (4 * 1 * plan.world_size))
     assert any(p.startswith("training needs") for p in plan.problems)
 
 
@@ -138,20 +163,23 @@ def test_offline_eagle_training_counts_the_target_layers_loaded_beside_the_cache
 
     layer = LlamaDecoderLayer(tiny_llama_config(), layer_idx=0)
     assert decoder_layer_parameter_count(_tiny_arch()) == sum(p.numel() for p in layer.parameters())
-    plan = make_plan(compose_job(["+recipe=eagle_llama3_70b", "heads=eagle", "heads.eagle.init_layer=-1"]),
-                     cache_dir="/")
+    plan = make_plan(compose_job(["+recipe=eagle_llama3_70b", "heads=eagle", "heads.eagle.init_layer=-1",
+                                  "stages=[train]"]), cache_dir="/")  # from a finished cache
     layers = next(item for item in plan.training if item.name == "target decoder layers")
     assert layers.gigabytes == pytest.approx(2 * 0.856e9 * 2 / 1e9, rel=0.01)  # layers 0 and 79 in bf16
-    plan = make_plan(compose_job(["+recipe=eagle_llama3_70b", "heads=eagle"]), cache_dir="/")  # random init: layer 0
+    plan = make_plan(compose_job(["+recipe=eagle_llama3_70b", "heads=eagle", "stages=[train]"]),
+                     cache_dir="/")  # random init: layer 0
     layers = next(item for item in plan.training if item.name == "target decoder layers")
     assert layers.gigabytes == pytest.approx(0.856e9 * 2 / 1e9, rel=0.01)
-    medusa = make_plan(compose_job(["+recipe=medusa_vicuna_7b", "data.mode=offline"]), cache_dir="/")
+    medusa = make_plan(compose_job(["+recipe=medusa_vicuna_7b", "data.mode=offline", "stages=[train]"]),
+                       cache_dir="/")
     assert not any(item.name == "target decoder layers" for item in medusa.training)
 
 
 def test_eagle3_feature_cache_holds_three_aux_layers_and_the_final_state():
     eagle = make_plan(compose_job(["+recipe=eagle_llama3_70b", "heads=eagle"]), cache_dir="/")
-    eagle3 = make_plan(compose_job(["+recipe=eagle_llama3_70b", "heads.eagle3.ttt_steps=3"]), cache_dir="/")
+    eagle3 = make_plan(compose_job(["+recipe=eagle_llama3_70b", "heads.eagle3.ttt_steps=3", "stages=[train]"]),
+                       cache_dir="/")
     assert (eagle.cache_layers, eagle3.cache_layers) == (1, 4)
     assert eagle3.cache_bytes == pytest.approx(4 * eagle.cache_bytes, rel=1e-3)  # ids and mask are per token
     assert "4 layer(s) per token" in format_plan(eagle3)

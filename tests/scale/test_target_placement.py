@@ -59,7 +59,8 @@ def test_the_pipeline_hands_the_split_to_from_pretrained(monkeypatch):
 
     monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", fake)
     with pytest.raises(_Captured):
-        load_job_target(compose_job(["+recipe=eagle_llama3_70b", "stages=[data,features]"]))
+        load_job_target(compose_job(["+recipe=eagle_llama3_70b", "stages=[data,features]",
+                                         "trainer.batch_size=4"]))  # 2 GB of activations: 4 GPUs per copy
     assert seen["source"] == "meta-llama/Meta-Llama-3-70B-Instruct" and seen["device_map"] == "auto"
     assert seen["max_memory"] == {4: "67GiB", 5: "67GiB", 6: "67GiB", 7: "67GiB"}
 
