@@ -382,8 +382,9 @@ class LeanLlama(nn.Module):
             blocks.append(Block(attention_module, mlp, norm(f"{p}.input_layernorm"),
                                 norm(f"{p}.post_attention_layernorm")))
         rotary = hf_model.model.rotary_emb
+        final_norm = RMSNorm(weights["model.norm.weight"].to(where[-1]), config.rms_norm_eps, share=True)
         return cls(
-            config, hf_model.get_input_embeddings().weight.detach(), blocks, norm("model.norm"),
+            config, hf_model.get_input_embeddings().weight.detach(), blocks, final_norm,
             Linear(hf_model.get_output_embeddings().weight, pack=config.pack_multi_row, share=True,
                    copies=weight_copies),
             rotary.inv_freq.detach(),

@@ -67,14 +67,13 @@ def locate(hf_model: nn.Module, device_map: Mapping[str, Any] | None = None,
     activations at every boundary."""
     inner = hf_model.model
     names = ["model.embed_tokens", *(f"model.layers.{i}" for i in range(len(inner.layers))), "lm_head"]
-    parts = [inner.embed_tokens, *inner.layers, nn.ModuleList([inner.norm, hf_model.get_output_embeddings()])]
+    # the head is where the lm_head is (the final norm's few weights follow it there)
+    parts = [inner.embed_tokens, *inner.layers, hf_model.get_output_embeddings()]
     actual = [_unit_device(part, name) for part, name in zip(parts, names)]
     device_map = device_map if device_map is not None else getattr(hf_model, "hf_device_map", None)
     if not device_map:
         return [str(d) for d in actual], actual
     keys = [_map_key(device_map, name) for name in names]
-    if _map_key(device_map, "model.norm") != keys[-1]:
-        raise ValueError("lean forward: the final norm and lm_head must share a device")
     wanted = [_device_of_key(devices[key] if devices is not None and key in devices else key) for key in keys]
     for name, want, have in zip(names, wanted, actual):
         if want != have and not (want.type == have.type == "cpu"):

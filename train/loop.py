@@ -110,7 +110,7 @@ def train_heads(job, target, data, source: FeatureSource | None = None, accelera
     target.to(device)
     size = job.heads.draft_vocab_size  # counted once here; the head stores it, its loss and drafters read it
     vocab = frequent_reply_tokens(data.train, size, target.vocab_size) if size else None
-    parts = FrozenParts.from_target(target)
+    parts = FrozenParts.from_target(target, device)
     layers = kind.feature_layers(target.num_layers)
     source = source or OnlineFeatures(target, layers)
     if source_layers(source) != layers:

@@ -92,8 +92,13 @@ class FrozenParts:
         self._rows: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @classmethod
-    def from_target(cls, target) -> "FrozenParts":
-        return cls(target.embed_tokens.weight.detach(), target.lm_head.weight.detach())
+    def from_target(cls, target, device=None) -> "FrozenParts":
+        """device: where the heads train; a split target's embedding and lm_head, which lie on the
+        first and last GPU of its group, are copied there (no copy where they already are)."""
+        embed, lm_head = target.embed_tokens.weight.detach(), target.lm_head.weight.detach()
+        if device is not None:
+            embed, lm_head = embed.to(device), lm_head.to(device)
+        return cls(embed, lm_head)
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         return nn.functional.embedding(ids, self.embed_weight)

@@ -106,3 +106,13 @@ def test_eagle_step_unrolled_scores_the_heads_own_chain_like_the_evaluation():
     assert float(out["loss"].detach()) > float(one["loss"].detach())
     out["loss"].backward()  # gradients reach the head through every step
     assert head.layers[0].mlp.down_proj.weight.grad.abs().sum() > 0
+
+
+def test_frozen_parts_follow_the_heads_device():
+    """A split target's embedding and lm_head lie on its group's first and last GPU: the heads' copy is
+    on their own device, and none is made where they already are."""
+    target = tiny_target()
+    here = FrozenParts.from_target(target, "cpu")
+    assert here.embed_weight.data_ptr() == target.embed_tokens.weight.data_ptr()
+    moved = FrozenParts.from_target(target, "meta")
+    assert moved.embed_weight.device.type == "meta" and moved.lm_head_weight.device.type == "meta"
