@@ -60,4 +60,5 @@ class DeepSpeedConfig:
     num_nodes: int = 1
     gpu_memory_gb: float = 80.0  # memory of one GPU, for the plan's fit check
     memory_headroom: float = 0.9  # fraction of gpu_memory_gb the plan lets a job use
+    gpu_tflops: float = 400.0  # sustained bf16 TFLOPS of one GPU, assumed, for the plan's time estimate
     target_placement: str = "auto"  # auto | replicate | split: the frozen target on each node

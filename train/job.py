@@ -137,6 +137,7 @@ def validate_job(job: JobConfig) -> JobConfig:
     _positive("deepspeed.num_gpus", job.deepspeed.num_gpus)
     _positive("deepspeed.num_nodes", job.deepspeed.num_nodes)
     _positive("deepspeed.gpu_memory_gb", job.deepspeed.gpu_memory_gb)
+    _positive("deepspeed.gpu_tflops", job.deepspeed.gpu_tflops)
     if not 0.0 < job.deepspeed.memory_headroom <= 1.0:
         raise ConfigError(f"deepspeed.memory_headroom={job.deepspeed.memory_headroom} must be in (0, 1]")
     _choice("deepspeed.target_placement", job.deepspeed.target_placement, {"auto", "replicate", "split"})

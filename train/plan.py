@@ -62,6 +62,9 @@ class Plan:
     cache_layers: int = 1  # target hidden-state layers stored per token
     cache_free_bytes: float | None = None
     gpu_budget_gb: float = 0.0
+    extraction_hours: float = 0.0  # estimates: FLOPs / (GPUs computing x deepspeed.gpu_tflops)
+    training_hours: float = 0.0
+    gpu_tflops: float = 0.0
     problems: list[str] = field(default_factory=list)
 
     @property
@@ -328,6 +331,18 @@ def make_plan(job: JobConfig, num_records: int | None = None, tokens_per_record:
     )
     if "eval" in job.stages:
         plan.evaluation = _eval_items(job, span, target_gb, dtype_bytes)
+    # time: a forward costs 2 FLOPs per parameter and token, a training step 6; a split copy computes
+    # its layers one GPU after another, so it runs at one GPU's rate; EAGLE-3 unrolls its head ttt_steps times
+    tflops = ds.gpu_tflops * 1e12
+    tokens = num_records * tokens_per_record
+    if offline:
+        plan.extraction_hours = 2 * plan.target_parameters * tokens / (ds.num_gpus // span * ds.num_nodes * tflops) / 3600
+    unrolled = job.heads.eagle3.ttt_steps if job.heads.type == "eagle3" else 1
+    step = 6 * trainable * unrolled * global_batch * tokens_per_record
+    if not offline:
+        step += 2 * plan.target_parameters * global_batch * tokens_per_record
+    plan.training_hours = trainer.max_steps * step / (world * tflops) / 3600
+    plan.gpu_tflops = ds.gpu_tflops
     if offline:
         span = target_span(job)
         plan.extraction_replicas_per_node = max(1, ds.num_gpus // span)
@@ -380,6 +395,10 @@ def _check(plan: Plan, job: JobConfig) -> None:
         plan.problems.append("deepspeed.enabled with zero_stage=0 shards nothing; use DDP (deepspeed=none)")
 
 
+def _duration(hours: float) -> str:
+    return f"{hours:,.1f} h" if hours >= 1 else f"{hours * 60:.0f} min"
+
+
 def format_plan(plan: Plan) -> str:
     """The plan as a table for the terminal."""
     lines = [
@@ -399,6 +418,9 @@ def format_plan(plan: Plan) -> str:
         lines.append(f"  feature cache on disk: {plan.cache_bytes / GB:,.1f} GB, {plan.cache_layers} layer(s) per token ({free})")
     lines.append(f"  training, per GPU ({plan.training_gb:.1f} / {plan.gpu_budget_gb:.1f} GB usable):")
     lines += [f"    {i.name:<28} {i.gigabytes:8.2f} GB  {i.note}" for i in plan.training]
+    lines.append(f"  time (estimate at deepspeed.gpu_tflops={plan.gpu_tflops:g} sustained per GPU): "
+                 + (f"feature extraction {_duration(plan.extraction_hours)}, " if plan.feature_extraction else "")
+                 + f"training {_duration(plan.training_hours)} for {plan.max_steps:,} steps")
     if plan.evaluation:
         lines.append(f"  eval, rank 0, its busiest GPU ({plan.evaluation_gb:.1f} / {plan.gpu_budget_gb:.1f} GB usable; "
                      f"peak = target + KV cache + head):")

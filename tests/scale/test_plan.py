@@ -190,3 +190,15 @@ def test_eagle3_feature_cache_holds_three_aux_layers_and_the_final_state():
     longer = make_plan(compose_job(["+recipe=eagle_llama3_70b"]), cache_dir="/")  # the recipe's 7 steps
     activations = lambda plan: {i.name: i.gigabytes for i in plan.training}["activations"]  # noqa: E731
     assert activations(longer) > 2 * activations(eagle3)  # every unrolled step keeps its activations
+
+
+def test_time_estimate_scales_with_steps_and_assumed_throughput():
+    base = make_plan(compose_job(["+recipe=eagle_llama3_70b"]), cache_dir="/")
+    faster = make_plan(compose_job(["+recipe=eagle_llama3_70b", "deepspeed.gpu_tflops=800"]), cache_dir="/")
+    longer = make_plan(compose_job(["+recipe=eagle_llama3_70b", "trainer.max_steps=400000"]), cache_dir="/")
+    assert faster.training_hours == pytest.approx(base.training_hours / 2)
+    assert faster.extraction_hours == pytest.approx(base.extraction_hours / 2)
+    assert longer.training_hours == pytest.approx(2 * base.training_hours)
+    tokens = base.num_records * base.tokens_per_record  # one forward of the target per token, 2 copies
+    assert base.extraction_hours == pytest.approx(2 * base.target_parameters * tokens / (2 * 400e12) / 3600)
+    assert "time (estimate at deepspeed.gpu_tflops=400" in format_plan(base)
