@@ -4,7 +4,7 @@
 #   scripts/launch_multi_node.sh -f HOSTFILE [-p PORT] [-i RDZV_ID] [--] [python -m train overrides...]
 #
 #   # on each of the 2 nodes of hostfile (first line = rendezvous host):
-#   scripts/launch_multi_node.sh -f scripts/hostfile.example +recipe=eagle_llama3_70b deepspeed.num_nodes=2
+#   scripts/launch_multi_node.sh -f scripts/hostfile.example +recipe=eagle_llama3_8b deepspeed.num_nodes=2
 #
 # HOSTFILE: one node per line, "hostname slots=N" (DeepSpeed's format; lines starting with # are
 # ignored). The node count and processes per node come from it, all nodes must have the same

@@ -4,7 +4,7 @@
 #   scripts/launch_single_node.sh [-n NPROC] [--] [python -m train overrides...]
 #
 #   scripts/launch_single_node.sh -n 8 +recipe=eagle_llama3_8b
-#   scripts/launch_single_node.sh -n 8 +recipe=eagle_llama3_70b deepspeed=zero3
+#   scripts/launch_single_node.sh -n 2 +recipe=eagle_llama3_70b    # the plan's -n: 2 copies of the split target
 #   scripts/launch_single_node.sh -n 2 +recipe=eagle_smollm2_135m deepspeed=zero2   # CPU smoke run
 #
 # NPROC defaults to the visible GPU count (nvidia-smi), else 2. Uses torchrun --standalone (a free
