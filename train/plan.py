@@ -418,7 +418,7 @@ def format_plan(plan: Plan) -> str:
         lines.append(f"  feature cache on disk: {plan.cache_bytes / GB:,.1f} GB, {plan.cache_layers} layer(s) per token ({free})")
     lines.append(f"  training, per GPU ({plan.training_gb:.1f} / {plan.gpu_budget_gb:.1f} GB usable):")
     lines += [f"    {i.name:<28} {i.gigabytes:8.2f} GB  {i.note}" for i in plan.training]
-    lines.append(f"  time (estimate at deepspeed.gpu_tflops={plan.gpu_tflops:g} sustained per GPU): "
+    lines.append(f"  time (compute only, estimate at deepspeed.gpu_tflops={plan.gpu_tflops:g} sustained per GPU): "
                  + (f"feature extraction {_duration(plan.extraction_hours)}, " if plan.feature_extraction else "")
                  + f"training {_duration(plan.training_hours)} for {plan.max_steps:,} steps")
     if plan.evaluation:

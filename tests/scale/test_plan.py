@@ -201,4 +201,4 @@ def test_time_estimate_scales_with_steps_and_assumed_throughput():
     assert longer.training_hours == pytest.approx(2 * base.training_hours)
     tokens = base.num_records * base.tokens_per_record  # one forward of the target per token, 2 copies
     assert base.extraction_hours == pytest.approx(2 * base.target_parameters * tokens / (2 * 400e12) / 3600)
-    assert "time (estimate at deepspeed.gpu_tflops=400" in format_plan(base)
+    assert "time (compute only, estimate at deepspeed.gpu_tflops=400" in format_plan(base)
