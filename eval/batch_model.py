@@ -26,6 +26,9 @@ class BatchKVCache:
     """k, v: (L, B, Hkv, S, hd); `caches[b]` the batch-1 view of slot b."""
 
     def __init__(self, model: LeanLlama, batch: int, max_length: int | None = None):
+        if len(set(model.devices)) > 1:  # its buffers live on one device
+            raise ValueError(f"batched decoding (runtime.batch_sizes) runs a target on one device; this one is "
+                             f"split across {sorted(set(map(str, model.devices)))}")
         c = model.config
         shape = (c.num_layers, batch, c.num_kv_heads, max_length or c.max_seq_len, c.head_dim)
         self.k = torch.zeros(shape, dtype=model.embedding.dtype, device=model.embedding.device)

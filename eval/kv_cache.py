@@ -33,17 +33,20 @@ class KVCache:
                 runs[-1] += 1
             else:
                 runs.append(1)
-        self.buffers = []  # (k, v) per run of layers on one device: (L_run, Hkv, S, hd)
-        start = 0
+        buffers, start = [], 0
         for count in runs:
             shape = (count, num_kv_heads, max_length, head_dim)
             where = devices[start] if devices else "cpu"
-            self.buffers.append((torch.zeros(shape, dtype=dtype, device=where),
-                                 torch.zeros(shape, dtype=dtype, device=where)))
+            buffers.append((torch.zeros(shape, dtype=dtype, device=where), torch.zeros(shape, dtype=dtype, device=where)))
             start += count
-        self._k_layers = [layer for k, _ in self.buffers for layer in k]  # (Hkv, S, hd) views, one per layer
-        self._v_layers = [layer for _, v in self.buffers for layer in v]
-        self.k, self.v = self.buffers[0] if len(self.buffers) == 1 else (self._k_layers, self._v_layers)
+        self._hold(buffers)
+
+    def _hold(self, buffers: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """buffers: (k, v) per run of layers on one device, each (L_run, Hkv, S, hd)."""
+        self.buffers = buffers
+        self._k_layers = [layer for k, _ in buffers for layer in k]  # (Hkv, S, hd) views, one per layer
+        self._v_layers = [layer for _, v in buffers for layer in v]
+        self.k, self.v = buffers[0] if len(buffers) == 1 else (self._k_layers, self._v_layers)
         self.length = 0
         self.pending = 0
 
@@ -51,7 +54,7 @@ class KVCache:
     def over(cls, k: torch.Tensor, v: torch.Tensor) -> "KVCache":
         """A cache over existing (L, Hkv, S, hd) buffers (one sequence's slice of a `BatchKVCache`)."""
         cache = cls.__new__(cls)
-        cache.k, cache.v, cache.length, cache.pending = k, v, 0, 0
+        cache._hold([(k, v)])
         return cache
 
     @property
