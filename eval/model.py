@@ -12,12 +12,12 @@ runs where it lies: each decoder layer computes on the device holding its weight
 lives there, and the activations (with the rotary tables and the tree mask) move at each boundary;
 logits and hidden states come back on the lm_head's device (`output_device`).
 
-Weights (`eval.placement.weight_copies_allowed`): the lean forward keeps weight copies in other layouts (the
-transposed and oneDNN-packed layouts of `eval.linear_paths`, fused q|k|v and gate|up) only for a
-target on the CPU, in one piece, with memory for two more copies. Otherwise it runs on the target's
-own tensors: every linear layer reads the (out, in) weight in place, and fusing concatenates q|k|v
-(gate|up) once and makes the transformers module's parameters views of the fused tensor, so the
-model holds one copy either way.
+Weights (`eval.placement.weight_copies_allowed`): the lean forward keeps weight copies in other
+layouts (the transposed and oneDNN-packed layouts of `eval.linear_paths`, fused q|k|v and gate|up)
+only for a target on the CPU, in one piece, with memory for two more copies. Otherwise it runs on
+the target's own tensors: every linear layer reads the (out, in) weight in place (GPU matmuls read
+that layout at full speed), and fusing concatenates q|k|v (gate|up) once and makes the transformers
+module's parameters views of the fused tensor, so the model holds one copy either way.
 """
 from __future__ import annotations
 
@@ -110,7 +110,7 @@ class Linear(nn.Module):
             if not self.copies:
                 raise ValueError(f"linear layout {name!r} would copy the weights of a target whose weights are "
                                  f"used as they are (split, not on the CPU, or short of memory: "
-                                 f"eval.model.weight_copies_allowed); only paths on the (out, in) layout run")
+                                 f"eval.placement.weight_copies_allowed); only paths on the (out, in) layout run")
             source = self._source if self._source is not None else self.weight_t.t()
             self.layouts[name] = linear_paths.build_layout(name, source)
         return self.layouts[name]
@@ -286,8 +286,8 @@ class LeanLlama(nn.Module):
                  lm_head: Linear, inv_freq: torch.Tensor, attention_scaling: float = 1.0,
                  keys: Sequence | None = None, devices: Sequence[torch.device] | None = None,
                  weights_note: str = ""):
-        """keys, devices: the placement (`eval.placement.locate`) of the embedding, each block and the head;
-        default: all on the embedding's device."""
+        """keys, devices: the placement (`eval.placement.locate`) of the embedding, each block and
+        the head; default: all on the embedding's device."""
         super().__init__()
         self.config = config
         self.embedding = nn.Parameter(embedding, requires_grad=False)  # (V, D), shared with the HF model
@@ -321,8 +321,9 @@ class LeanLlama(nn.Module):
                 fuse_projections: bool = True, pack_multi_row: bool = True, weight_copies: bool | None = None,
                 device_map: Mapping[str, Any] | None = None, devices: Mapping[Any, Any] | None = None) -> "LeanLlama":
         """Build from a transformers *ForCausalLM of the Llama family by parameter name, computing
-        each part where its weights lie (`eval.placement.locate`: device_map, devices). weight_copies: None
-        applies `weight_copies_allowed`; False runs on the target's own weights, fusing in place."""
+        each part where its weights lie (`eval.placement.locate`: device_map, devices).
+        weight_copies: None applies `eval.placement.weight_copies_allowed`; False runs on the
+        target's own weights, fusing q|k|v and gate|up in place."""
         hf_config = hf_model.config
         keys, where = placement.locate(hf_model, device_map, devices)
         note = "weight copies as asked" if weight_copies else "the target's own weights, as asked"

@@ -58,7 +58,7 @@ def _device_of_key(key) -> torch.device:
 
 
 def locate(hf_model: nn.Module, device_map: Mapping[str, Any] | None = None,
-              devices: Mapping[Any, Any] | None = None) -> tuple[list, list[torch.device]]:
+           devices: Mapping[Any, Any] | None = None) -> tuple[list, list[torch.device]]:
     """(keys, devices) of the embedding, each decoder layer and the head (final norm + lm_head), in
     that order. device_map: {module name prefix: key} as transformers' `hf_device_map` writes it
     (default: the model's own, else each part's weight device); a boundary is where the key changes.
