@@ -18,14 +18,15 @@ from eval.generate import plain_generate
 from eval.model import LeanLlama
 from eval.sampling import SamplingConfig
 from eval.sweep import batch_sweep, markdown, plot, sweep_method, sweep_policy
-from eval.timing import device_clock, measured_on, module_device
+from eval.linear_paths import timer
+from eval.timing import measured_on, module_device
 
 
 def batch_one_check(lean: LeanLlama, prompts: Sequence[torch.Tensor], max_new_tokens: int, eos=(),
                     rounds: int = 2) -> dict:
     """Plain decoding through today's batch-1 loop and through the batch decoder at batch size 1,
     interleaved per prompt: tokens/s of each (prefill included) and their ratio."""
-    clock = device_clock(module_device(lean))
+    clock = timer(module_device(lean))
     seconds, tokens = {"batch_one_loop": 0.0, "batch_decoder": 0.0}, {"batch_one_loop": 0, "batch_decoder": 0}
     for _ in range(rounds):
         for prompt in prompts:
@@ -65,7 +66,8 @@ def evaluate_batches(lean: LeanLlama, methods, prompts: Sequence[torch.Tensor], 
         "num_prompts": len(prompts), "sampling": asdict(sampling), "runtime": asdict(runtime),
         "threads": torch.get_num_threads(), "measured_on": where,
         "notes": [
-            "tokens/s = every generated token over the batches' wall time, prefills included (aggregate).",
+            "tokens/s = every generated token over the batches' time, prefills included (aggregate); time = wall "
+            "time, or with one CPU thread that thread's CPU time (batch_sweep.clock).",
             "τ = tokens committed per sequence per target forward, bonus token included.",
             "step ms = one target forward of the whole batch (plain) or verification forward (speculative); "
             "verify cost = that in plain steps at the same batch size; break-even τ adds the drafting of every "

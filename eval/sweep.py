@@ -23,7 +23,8 @@ from eval.generate import GenerationResult
 from eval.model import LeanLlama
 from eval.policy import PAYS_MARGIN, SIZE_ATTRIBUTES, SpeculationPolicy, choose_policy
 from eval.sampling import SamplingConfig
-from eval.timing import device_clock, module_device
+from eval.linear_paths import clock_name, timer
+from eval.timing import module_device
 
 
 @dataclass
@@ -92,12 +93,13 @@ def batch_sweep(lean: LeanLlama, methods: Sequence[SweepMethod], prompts: Sequen
     at batch size B, max(len(prompts), B) requests rounded up to a multiple of B (prompts reused in
     order), in batches of B, each batch run by every method in turn. Returns {"batch_sizes": [...],
     "rows": [{"batch_size", "methods": {name: figures}, "best", "best_speedup"}], "crossover",
-    "crossover_by_method"}."""
+    "crossover_by_method", "clock"}. Times are wall time, or with one CPU thread the thread's CPU
+    time (`eval.linear_paths.timer`)."""
     from tqdm import tqdm
 
     if not methods or methods[0].build is not None:
         raise ValueError("batch sweep: the first method must be plain decoding (build None)")
-    clock = device_clock(module_device(lean))
+    clock = timer(module_device(lean))  # one CPU thread: its CPU time, robust to other jobs on the machine
     pools: dict[str, list] = {m.name: [] for m in methods}  # idle drafters, reused across batch sizes
     rows, reference = [], {}
     total = sum(math.ceil(max(len(prompts), b) / b) * len(methods) for b in batch_sizes)
@@ -107,7 +109,7 @@ def batch_sweep(lean: LeanLlama, methods: Sequence[SweepMethod], prompts: Sequen
         results: dict[str, list[GenerationResult]] = {m.name: [] for m in methods}
         seconds = {m.name: 0.0 for m in methods}
         decoders = {m.name: BatchDecoder(lean, batch_size, sampling, eos_token_ids, m.build, m.verification, max_length,
-                                         drafter_pool=pools[m.name]) for m in methods}
+                                         clock, drafter_pool=pools[m.name]) for m in methods}
         for first in range(0, count, batch_size):
             group = [prompts[i % len(prompts)] for i in range(first, first + batch_size)]
             for method in methods:
@@ -137,7 +139,8 @@ def batch_sweep(lean: LeanLlama, methods: Sequence[SweepMethod], prompts: Sequen
         rows.append({"batch_size": batch_size, "methods": figures, "best": best,
                      "best_speedup": figures[best]["speedup_vs_plain"] if best else None})
     bar.close()
-    return {"batch_sizes": list(batch_sizes), "rows": rows, "crossover": crossover(rows),
+    return {"batch_sizes": list(batch_sizes), "rows": rows, "clock": clock_name(module_device(lean)),
+            "crossover": crossover(rows),
             "crossover_by_method": {m.name: crossover(rows, m.name) for m in methods[1:]}}
 
 
@@ -185,9 +188,11 @@ def markdown(sweep: dict) -> str:
             lines.append(f"| {row['batch_size']} | {name} | " + " | ".join(
                 f"{_fmt(f[f'{k}_ms_p50'], 0)} / {_fmt(f[f'{k}_ms_p99'], 0)}" for k in ("ttft", "tpot", "e2e")) + " |")
     where = sweep["crossover"]
-    lines += ["", f"Crossover: {'speculation pays at every batch size measured' if where is None else f'speculation stops paying at batch size {where}'}"
-              f" (per method: {', '.join(f'{k}: {v}' for k, v in sweep['crossover_by_method'].items())}; "
-              f"a speculative size must beat plain by {PAYS_MARGIN:.0%} for the policy to keep it).", ""]
+    verdict = "speculation pays at every batch size measured" if where is None else \
+        f"speculation stops paying at batch size {where}"
+    per_method = ", ".join(f"{k}: {v}" for k, v in sweep["crossover_by_method"].items())
+    lines += ["", f"Crossover: {verdict} (per method: {per_method}; a speculative size must beat plain by "
+                  f"{PAYS_MARGIN:.0%} for the policy to keep it). Times: {sweep.get('clock', 'wall')}.", ""]
     return "\n".join(lines)
 
 
