@@ -6,8 +6,9 @@ arrive on a Poisson process and a scheduler batches them on one `BatchDecoder`.
   continuous   at every step boundary queued requests join free slots (first come, first served)
                and finished ones leave
 
-Time runs on a `SkipClock`: wall time while the runtime works, and a jump instead of a sleep while
-it waits idle for the next arrival, so the figures are those of real-time serving without the idle
+Time runs on a `SkipClock`: wall time while the runtime works (with one CPU thread, that thread's
+CPU time, so other jobs on a shared machine do not count), and a jump instead of a sleep while it
+waits idle for the next arrival, so the figures are those of real-time serving without the idle
 seconds. Per request: TTFT from its arrival (queueing and its prefill included), TPOT, end-to-end
 latency; per run: throughput (tokens over the time from the first arrival to the last finish) and
 the mean batch size of the decode steps.
@@ -26,7 +27,8 @@ from eval.drafters import Drafter
 from eval.model import LeanLlama
 from eval.sampling import SamplingConfig
 from eval.sweep import latency_figures
-from eval.timing import device_clock, module_device
+from eval.linear_paths import timer
+from eval.timing import module_device
 
 SCHEDULERS = ("static", "continuous")
 
@@ -66,7 +68,7 @@ def serve(model: LeanLlama, prompts: Sequence[torch.Tensor], arrivals: Sequence[
     "results" (GenerationResult per request, in arrival order)."""
     if scheduler not in SCHEDULERS:
         raise ValueError(f"serving: scheduler must be one of {SCHEDULERS}, got {scheduler!r}")
-    clock = clock or SkipClock(device_clock(module_device(model)))
+    clock = clock or SkipClock(timer(module_device(model)))
     decoder = BatchDecoder(model, max_batch, sampling, eos_token_ids, drafter_factory, max_length=max_length,
                            clock=clock)
     start = clock()
