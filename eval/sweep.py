@@ -108,6 +108,9 @@ def batch_sweep(lean: LeanLlama, methods: Sequence[SweepMethod], prompts: Sequen
         count = math.ceil(max(len(prompts), batch_size) / batch_size) * batch_size
         results: dict[str, list[GenerationResult]] = {m.name: [] for m in methods}
         seconds = {m.name: 0.0 for m in methods}
+        for method in methods:  # drafters are built before timing: a server builds them once
+            while method.build is not None and len(pools[method.name]) < batch_size:
+                pools[method.name].append(method.build())
         decoders = {m.name: BatchDecoder(lean, batch_size, sampling, eos_token_ids, m.build, m.verification, max_length,
                                          clock, drafter_pool=pools[m.name]) for m in methods}
         for first in range(0, count, batch_size):
