@@ -191,8 +191,10 @@ def markdown(sweep: dict) -> str:
             lines.append(f"| {row['batch_size']} | {name} | " + " | ".join(
                 f"{_fmt(f[f'{k}_ms_p50'], 0)} / {_fmt(f[f'{k}_ms_p99'], 0)}" for k in ("ttft", "tpot", "e2e")) + " |")
     where = sweep["crossover"]
-    verdict = "speculation pays at every batch size measured" if where is None else \
-        f"speculation stops paying at batch size {where}"
+    first = sweep["rows"][0]["batch_size"] if sweep["rows"] else None
+    verdict = ("speculation pays at every batch size measured" if where is None else
+               "speculation did not pay at any batch size measured" if where == first else
+               f"speculation stops paying at batch size {where}")
     per_method = ", ".join(f"{k}: {v}" for k, v in sweep["crossover_by_method"].items())
     lines += ["", f"Crossover: {verdict} (per method: {per_method}; a speculative size must beat plain by "
                   f"{PAYS_MARGIN:.0%} for the policy to keep it). Times: {sweep.get('clock', 'wall')}.", ""]
