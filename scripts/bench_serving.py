@@ -39,11 +39,12 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    from eval.__main__ import compose_eval, load_eval_head, load_prompts, resolve_head
+    from eval.__main__ import compose_eval, load_eval_head, resolve_head
     from eval.drafters.eagle import EagleDrafter
     from eval.model import LeanLlama
     from eval.policy import PolicyDrafter, SpeculationPolicy
     from eval.serving import bench_serving, markdown
+    from eval.stage import eval_prompt_ids
     from heads.eagle3 import Eagle3Head
     from heads.target import TargetConfig, load_target
     from heads.vocab import draft_ids
@@ -53,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg = compose_eval([f"head={args.head}", f"runtime.num_prompts={args.prompts}"])
     target = load_target(TargetConfig(device="cpu"))
     head, _ = load_eval_head(args.head, target)
-    prompts = [torch.tensor(p) for p in load_prompts(cfg, target.tokenizer)]
+    prompts = [torch.tensor(p) for p in eval_prompt_ids(cfg.runtime, cfg.data, target.tokenizer, cfg.prompts_file)]
     runtime = cfg.runtime
     manifest = resolve_head(args.head) / "specheads.json"
     tree = json.loads(manifest.read_text()).get("runtime", {}).get("tree", {}) if manifest.is_file() else {}
