@@ -3,7 +3,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from heads.checks import choice, fraction, positive
+
 EMBEDDED_SHAREGPT = "embedded:sharegpt"
+FORMATS = ("auto", "json", "jsonl", "hub", "disk")  # data.format (data.sources reads each)
+OVERFLOW_MODES = ("truncate", "drop", "split")  # data.overflow (data.pipeline applies them)
+MODES = ("online", "offline")  # data.mode
+FEATURE_CACHE_DTYPES = ("bfloat16", "float16", "float32")  # data.feature_cache_dtype
 
 
 @dataclass
@@ -41,3 +47,15 @@ class DataConfig:
     feature_cache_dtype: str = "bfloat16"
     feature_shard_records: int = 256
     regenerate: RegenerateConfig = field(default_factory=RegenerateConfig)
+
+    def check(self, key: str = "data") -> None:
+        """Each field's own rule; raises ValueError naming the key."""
+        choice(f"{key}.format", self.format, FORMATS)
+        choice(f"{key}.overflow", self.overflow, OVERFLOW_MODES)
+        choice(f"{key}.mode", self.mode, MODES)
+        choice(f"{key}.feature_cache_dtype", self.feature_cache_dtype, FEATURE_CACHE_DTYPES)
+        positive(f"{key}.max_length", self.max_length)
+        positive(f"{key}.max_records", self.max_records)
+        positive(f"{key}.max_eval_records", self.max_eval_records, allow_zero=True)
+        positive(f"{key}.num_proc", self.num_proc)
+        fraction(f"{key}.eval_fraction", self.eval_fraction, high_open=True)

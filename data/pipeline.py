@@ -13,7 +13,7 @@ from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
-from data.config import DataConfig
+from data.config import OVERFLOW_MODES, DataConfig
 from data.sources import load_conversations
 from data.split import split_indices
 from data.template import TemplateMismatch, Tokenized, tokenize_with_mask
@@ -21,7 +21,6 @@ from data.template import TemplateMismatch, Tokenized, tokenize_with_mask
 log = logging.getLogger(__name__)
 
 _TOKENIZE_VERSION = "2"  # bump when rendering/masking changes, to invalidate map caches
-OVERFLOW_MODES = ("truncate", "drop", "split")
 
 
 @dataclass

@@ -96,9 +96,8 @@ def load_eval_head(head: str, target, strict_fingerprint: bool = True):
 def check_eval_config(cfg: EvalEntryConfig) -> None:
     """The checks `python -m train` runs on the same settings, before any model loads."""
     check_runtime(cfg.runtime)
-    dtypes = ("auto", "float32", "fp32", "bfloat16", "bf16", "float16", "fp16")
-    if cfg.model.dtype not in dtypes:
-        raise ValueError(f"model.dtype={cfg.model.dtype!r} is not one of {sorted(dtypes)}")
+    cfg.model.check()
+    cfg.data.check()
     path = cfg.prompts_file or cfg.runtime.prompts_file
     if path and not Path(path).is_file():
         raise FileNotFoundError(f"prompts_file={path}: " + ("a folder, not a JSONL file" if Path(path).is_dir()

@@ -30,7 +30,7 @@ class RuntimeConfig:
     medusa_choices: str = "auto"  # auto (from measured head accuracies) | mc_sim_7b_63 | JSON list
     typical_acceptance: bool = False  # Medusa's typical acceptance: LOSSY
     compare_transformers: bool = True
-    threads: int | None = None
+    threads: int | None = None  # torch CPU threads, set by `python -m eval` (a train job: trainer.num_threads)
     tree_sweep: list[int] = field(default_factory=lambda: [4, 8, 16, 32])  # eagle_tree total_tokens sweep
     draft_layers: int | None = None  # self_speculation: target layers in the draft; None = a quarter
     prompt_lookup_tokens: int = 8  # prompt_lookup: longest drafted chain

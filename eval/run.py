@@ -259,8 +259,6 @@ def evaluate(target, prompts: Sequence[Sequence[int]], drafter_specs: Sequence[s
     active. Returns the report dict."""
     from tqdm import tqdm
 
-    if runtime.threads:
-        torch.set_num_threads(runtime.threads)
     prompts = [torch.as_tensor(list(p), dtype=torch.long) for p in prompts]
     if not prompts:
         raise ValueError("evaluate: no prompts")

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from heads.checks import choice
+
 
 @dataclass
 class ExportConfig:
@@ -20,3 +22,13 @@ class ExportConfig:
     # replace an existing export of another format or head type at `out` (a folder that is not an
     # export is never replaced; an earlier export of the same format always is)
     overwrite: bool = False
+
+    def check(self, key: str = "export") -> None:
+        """Each field's own rule; raises ValueError naming the key."""
+        from export.formats import DTYPES, FORMAT_NAMES
+
+        for fmt in self.formats:
+            choice(f"{key}.formats[]", fmt, (*FORMAT_NAMES, "engine"))
+        choice(f"{key}.dtype", self.dtype, DTYPES)
+        if self.native_dtype is not None:
+            choice(f"{key}.native_dtype", self.native_dtype, DTYPES)

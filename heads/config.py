@@ -8,6 +8,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from heads.checks import choice, fraction, positive
+
+HEAD_TYPES = ("eagle", "eagle3", "medusa")  # heads.io maps each to its config and module
+INIT_FC = ("feature", "random", "ridge")  # heads.eagle.init_from_target's fc starts
+
 
 @dataclass
 class MedusaOptions:
@@ -15,6 +20,11 @@ class MedusaOptions:
     num_layers: int = 1
     share_lm_head: bool = False  # True: use the target's frozen lm_head instead of K trainable copies
     loss_decay: float = 0.8  # head k weighs decay**k; 1.0 reproduces FasterDecoding
+
+    def check(self, key: str = "heads.medusa") -> None:
+        positive(f"{key}.num_heads", self.num_heads)
+        positive(f"{key}.num_layers", self.num_layers)
+        fraction(f"{key}.loss_decay", self.loss_decay)
 
 
 @dataclass
@@ -32,6 +42,14 @@ class EagleOptions:
     unroll_loss_decay: float = 0.8  # step j of the unroll weighs decay**j
     fc_learning_rate_scale: float = 1.0  # fc trains at this fraction of trainer.learning_rate
 
+    def check(self, key: str = "heads.eagle") -> None:
+        for name in ("feature_loss_weight", "logit_loss_weight", "input_noise", "ridge_penalty", "unroll_loss_decay",
+                     "fc_learning_rate_scale"):
+            positive(f"{key}.{name}", getattr(self, name), allow_zero=True)
+        for name in ("eval_steps", "ridge_tokens", "train_steps"):
+            positive(f"{key}.{name}", getattr(self, name))
+        choice(f"{key}.init_fc", self.init_fc, INIT_FC)
+
 
 @dataclass
 class Eagle3Options:
@@ -42,6 +60,14 @@ class Eagle3Options:
     loss_decay: float = 0.8  # unrolled step j weighs decay**j
     norm_before_residual: bool = False  # True: the decoder layer's residual is hidden_norm(h)
     eval_steps: int = 4  # held-out evaluation drafts this many steps on the head's own outputs
+
+    def check(self, key: str = "heads.eagle3") -> None:
+        positive(f"{key}.ttt_steps", self.ttt_steps)
+        positive(f"{key}.eval_steps", self.eval_steps)
+        fraction(f"{key}.loss_decay", self.loss_decay)
+        if self.aux_layer_ids is not None and not self.aux_layer_ids:
+            raise ValueError(f"{key}.aux_layer_ids is empty: EAGLE-3 reads at least one target layer "
+                             "(null: the default [2, L//2, L-3])")
 
 
 @dataclass
@@ -55,3 +81,11 @@ class HeadsConfig:
     medusa: MedusaOptions = field(default_factory=MedusaOptions)
     eagle: EagleOptions = field(default_factory=EagleOptions)
     eagle3: Eagle3Options = field(default_factory=Eagle3Options)
+
+    def check(self) -> None:
+        """Each field's own rule; raises ValueError naming the key."""
+        choice("heads.type", self.type, HEAD_TYPES)
+        positive("heads.draft_vocab_size", self.draft_vocab_size, allow_zero=True)
+        self.medusa.check()
+        self.eagle.check()
+        self.eagle3.check()

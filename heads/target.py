@@ -57,6 +57,11 @@ class TargetConfig:
     device_map: Any = None  # str | {module: device} | None (a union OmegaConf cannot type)
     max_memory: Any = None  # {GPU index or "cpu": size} | None (OmegaConf: keys of two types)
 
+    def check(self, key: str = "model") -> None:
+        from heads.checks import choice
+
+        choice(f"{key}.dtype", self.dtype, DTYPES)
+
 
 def default_cache_dir() -> Path:
     root = os.environ.get("SPECHEADS_CACHE") or os.path.join(
@@ -71,13 +76,17 @@ def resolve_device(device: str) -> torch.device:
     return torch.device(device)
 
 
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+           "float16": torch.float16, "fp16": torch.float16}
+DTYPES = ("auto", *_DTYPES)  # model.dtype
+
+
 def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     if dtype == "auto":
         # This CPU family has no bf16 instructions (bf16 prefill is ~5x slower than fp32).
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     try:
-        return {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
-                "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}[dtype]
+        return _DTYPES[dtype]
     except KeyError:
         raise ValueError(f"model.dtype: unknown dtype {dtype!r} (auto, float32, bfloat16, float16)") from None
 

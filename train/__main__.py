@@ -59,6 +59,10 @@ def main(cfg: DictConfig) -> None:
         sys.exit(2)
     from train.checkpoint import TrainingDiverged
 
+    if job.trainer.num_threads:  # one setting for every stage of the job (validate_job: runtime.threads agrees)
+        import torch
+
+        torch.set_num_threads(job.trainer.num_threads)
     try:
         run_job(job)
     except (ValueError, OSError, TrainingDiverged) as error:  # bad input, a refused resume, a diverged run

@@ -3,6 +3,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from heads.checks import choice, fraction, positive
+
+SCHEDULES = ("cosine", "linear", "constant")  # trainer.schedule (train.loop.lr_factor)
+MIXED_PRECISION = ("auto", "no", "bf16", "fp16")  # trainer.mixed_precision (train.distributed)
+LOGGER_KINDS = ("wandb", "none")  # logger.kind (train.metrics)
+LOGGER_MODES = ("offline", "online", "disabled")  # logger.mode
+ZERO_STAGES = (0, 1, 2, 3)  # deepspeed.zero_stage
+TARGET_PLACEMENTS = ("auto", "replicate", "split")  # deepspeed.target_placement (train.placement)
+
 
 @dataclass
 class TrainerConfig:
@@ -33,6 +42,19 @@ class TrainerConfig:
     feature_memory_mb: float = 0  # >0: keep target features of seen rows in memory (multi-epoch CPU runs)
     loss_chunk_size: int = 1024  # rows per vocabulary-projection chunk in the losses (bounds logits memory)
 
+    def check(self, key: str = "trainer") -> None:
+        """Each field's own rule; raises ValueError naming the key."""
+        for name in ("learning_rate", "max_steps", "batch_size", "grad_accumulation", "max_grad_norm", "eval_every",
+                     "save_every", "keep_last", "loss_chunk_size", "max_minutes", "log_every", "eval_batches"):
+            positive(f"{key}.{name}", getattr(self, name))
+        positive(f"{key}.num_threads", self.num_threads, allow_zero=True)
+        positive(f"{key}.seed", self.seed, allow_zero=True)
+        fraction(f"{key}.warmup_ratio", self.warmup_ratio, low_open=False, high_open=True)
+        fraction(f"{key}.adam_beta1", self.adam_beta1, low_open=False, high_open=True)
+        fraction(f"{key}.adam_beta2", self.adam_beta2, low_open=False, high_open=True)
+        choice(f"{key}.schedule", self.schedule, SCHEDULES)
+        choice(f"{key}.mixed_precision", self.mixed_precision, MIXED_PRECISION)
+
 
 @dataclass
 class LoggerConfig:
@@ -42,6 +64,10 @@ class LoggerConfig:
     mode: str = "offline"  # offline (never blocks without network) | online | disabled
     run_name: str | None = None
     tags: list[str] | None = None
+
+    def check(self, key: str = "logger") -> None:
+        choice(f"{key}.kind", self.kind, LOGGER_KINDS)
+        choice(f"{key}.mode", self.mode, LOGGER_MODES)
 
 
 @dataclass
@@ -62,3 +88,12 @@ class DeepSpeedConfig:
     memory_headroom: float = 0.9  # fraction of gpu_memory_gb the plan lets a job use
     gpu_tflops: float = 400.0  # sustained bf16 TFLOPS of one GPU, assumed, for the plan's time estimate
     target_placement: str = "auto"  # auto | replicate | split: the frozen target on each node
+
+    def check(self, key: str = "deepspeed") -> None:
+        choice(f"{key}.zero_stage", self.zero_stage, ZERO_STAGES)
+        positive(f"{key}.num_gpus", self.num_gpus)
+        positive(f"{key}.num_nodes", self.num_nodes)
+        positive(f"{key}.gpu_memory_gb", self.gpu_memory_gb)
+        positive(f"{key}.gpu_tflops", self.gpu_tflops)
+        fraction(f"{key}.memory_headroom", self.memory_headroom)
+        choice(f"{key}.target_placement", self.target_placement, TARGET_PLACEMENTS)

@@ -19,6 +19,7 @@ import torch
 
 from heads.io import head_type, read_head_meta
 from heads.vocab import draft_ids, set_draft_vocab
+from train.config import SCHEDULES
 from train.checkpoint import (
     TrainingDiverged, find_resume, prune_checkpoints, rng_state, save_checkpoint, set_rng_state,
 )
@@ -59,7 +60,7 @@ def lr_factor(step: int, warmup_steps: int, total_steps: int, schedule: str) -> 
         return 0.5 * (1.0 + math.cos(math.pi * progress))
     if schedule == "linear":
         return 1.0 - progress
-    raise ValueError(f"trainer.schedule={schedule!r} is not one of ['constant', 'cosine', 'linear']")
+    raise ValueError(f"trainer.schedule={schedule!r} is not one of {sorted(SCHEDULES)}")
 
 
 def build_head_for_job(job, target, kind: HeadKind | None = None, vocab: torch.Tensor | None = None):
@@ -83,10 +84,7 @@ def build_head_for_job(job, target, kind: HeadKind | None = None, vocab: torch.T
             log.info("trainer.init_from: the head keeps its own %d-id draft vocabulary (heads.draft_vocab_size=%d "
                      "is not applied to it)", len(own), job.heads.draft_vocab_size)
         return head, config
-    head, config = kind.build(target, vocab)
-    if job.heads.hidden_size is not None and job.heads.hidden_size != config.hidden_size:
-        raise ValueError(f"heads.hidden_size={job.heads.hidden_size} but the target's is {config.hidden_size}")
-    return head, config
+    return kind.build(target, vocab)  # heads.hidden_size was checked against the target (pipeline.check_arch)
 
 
 def train_heads(job, target, data, source: FeatureSource | None = None, accelerator=None) -> TrainResult:
@@ -99,8 +97,6 @@ def train_heads(job, target, data, source: FeatureSource | None = None, accelera
 
     t, kind = job.trainer, head_kind(job.heads)
     start_time = time.time()  # trainer.max_minutes counts set-up (ridge fit) and evaluations too
-    if t.num_threads:
-        torch.set_num_threads(t.num_threads)
     accelerator = accelerator or make_accelerator(t, job.deepspeed)
     rank, world, main = accelerator.process_index, accelerator.num_processes, accelerator.is_main_process
     run_dir, device = Path(t.output_dir), accelerator.device

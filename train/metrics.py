@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from train.config import LoggerConfig
+from train.config import LOGGER_KINDS, LoggerConfig
 
 
 class MetricsLogger:
@@ -34,8 +34,8 @@ class MetricsLogger:
         self.wandb_run = None
         if config.kind == "wandb" and config.mode != "disabled":
             self.wandb_run = _init_wandb(Path(run_dir), config, run_config)
-        elif config.kind not in ("wandb", "none"):
-            raise ValueError(f"logger.kind={config.kind!r} is not one of ['none', 'wandb']")
+        elif config.kind not in LOGGER_KINDS:
+            raise ValueError(f"logger.kind={config.kind!r} is not one of {sorted(LOGGER_KINDS)}")
 
     def _drop_after(self, step: int) -> None:
         """On resume, forget lines the killed run logged after its checkpoint (they are redone)."""

@@ -78,8 +78,6 @@ def run_job(job: JobConfig) -> dict:
 
         print(format_plan(make_plan(job)))
         return {"dry_run": True}
-    if job.trainer.num_threads:
-        torch.set_num_threads(job.trainer.num_threads)
     started = time.time()
     earlier = _earlier_summary(run_dir)
     log.info("job %s: stages %s, run folder %s", job.recipe, job.stages, run_dir)

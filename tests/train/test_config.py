@@ -116,3 +116,28 @@ def test_self_distilled_training_never_sees_the_prompts_python_m_eval_holds_out(
     assert job.data.regenerate.enabled and job.data.source == measured.data.source
     assert job.data.eval_fraction >= measured.data.eval_fraction
     assert job.data.split_seed == measured.data.split_seed
+
+
+def test_each_config_section_checks_its_own_fields():
+    """The sections validate themselves (validate_job only adds rules that relate sections)."""
+    from data.config import DataConfig
+    from export.config import ExportConfig
+    from heads.config import HeadsConfig
+    from heads.target import TargetConfig
+    from train.config import DeepSpeedConfig, LoggerConfig, TrainerConfig
+
+    for section, key in ((DataConfig(overflow="wrap"), "data.overflow"), (HeadsConfig(type="lstm"), "heads.type"),
+                         (TargetConfig(dtype="int8"), "model.dtype"), (TrainerConfig(schedule="step"), "trainer.schedule"),
+                         (LoggerConfig(kind="tensorboard"), "logger.kind"), (DeepSpeedConfig(zero_stage=4), "deepspeed.zero_stage"),
+                         (ExportConfig(formats=["gguf"]), "export.formats")):
+        with pytest.raises(ValueError, match=key.replace(".", r"\.")):
+            section.check()
+    for section in (DataConfig(), HeadsConfig(), TargetConfig(), TrainerConfig(), LoggerConfig(), DeepSpeedConfig(),
+                    ExportConfig()):
+        section.check()
+
+
+def test_a_job_sets_its_threads_once():
+    with pytest.raises(ConfigError, match="runtime.threads=2 differs from trainer.num_threads=None"):
+        compose_job(["runtime.threads=2"])
+    assert compose_job(["runtime.threads=2", "trainer.num_threads=2"]).runtime.threads == 2
