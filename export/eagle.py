@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from export.formats import BaseModel, ExportError, Tensors
+from export.layout import BaseModel, ExportError, Tensors
 from heads.eagle import EagleConfig
 
 _VLLM_ARCHITECTURES = {"LlamaForCausalLM"}  # vLLM registers Eagle{arch} for EAGLE-1 drafts of these

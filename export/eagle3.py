@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from export.formats import BaseModel, ExportError, Tensors
+from export.layout import BaseModel, ExportError, Tensors
 from heads.eagle3 import Eagle3Config
 
 ENTERING = "entering"  # id i = residual stream entering decoder layer i = transformers hidden_states[i]

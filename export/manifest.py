@@ -9,7 +9,7 @@ from importlib import metadata
 from pathlib import Path
 
 from export.eagle3 import CONVENTIONS, ENTERING
-from export.formats import EXPORT_FORMAT_VERSION, BaseModel, Format
+from export.layout import EXPORT_FORMAT_VERSION, BaseModel, Format
 from export.medusa import default_choices
 from heads.io import head_type
 from heads.recommended import CONFIGURED, DEFAULT, MEASURED, RecommendedRuntime

@@ -9,7 +9,7 @@ tree as a launch flag, not from this file).
 """
 from __future__ import annotations
 
-from export.formats import BaseModel, ExportError, Tensors
+from export.layout import BaseModel, ExportError, Tensors
 from heads.medusa import MedusaConfig
 
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from export.eagle3 import (CONVENTIONS, ENTERING, eagle3_shapes, field_problems, from_layer, has_vocab_maps,
                            refuse_unloadable, rope_parameters, to_layer)
-from export.formats import BaseModel, ExportError, Tensors
+from export.layout import BaseModel, ExportError, Tensors
 from heads.eagle3 import Eagle3Config
 
 SPECULATORS_VERSION = "0.9.0"  # the schema written here

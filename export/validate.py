@@ -7,8 +7,9 @@ from pathlib import Path
 
 import torch
 
-from export.formats import DTYPES as _DTYPES
-from export.formats import EXPORT_FORMAT_VERSION, ExportError, Format, get_format, shape_problems
+from export.formats import get_format
+from export.layout import DTYPES as _DTYPES
+from export.layout import EXPORT_FORMAT_VERSION, ExportError, Format, shape_problems
 from export.manifest import MANIFEST_NAME, sha256_file
 from export.vocab_file import VOCAB_FILE, has_sidecar, read_sidecar, vocab_problems
 from heads.io import CONFIG_NAME as NATIVE_CONFIG_NAME
