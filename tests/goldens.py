@@ -165,7 +165,7 @@ def make_slice(target, path: Path = SLICE, train: int = SLICE_TRAIN, held_out: i
     from data.split import is_eval
     from data.template import prompt_ids
     from train.__main__ import compose_job
-    from train.offline import _eos_ids, target_identity
+    from train.selfdistill import eos_ids, target_identity
 
     job = compose_job([])
     data = job.data
@@ -186,7 +186,7 @@ def make_slice(target, path: Path = SLICE, train: int = SLICE_TRAIN, held_out: i
         picked.append(record)
     pad = target.config.pad_token_id if target.config.pad_token_id is not None else 0
     with tempfile.TemporaryDirectory() as scratch:
-        regenerate(picked, target.tokenizer, hf_generate_fn(target.model, pad, _eos_ids(target)), scratch, config,
+        regenerate(picked, target.tokenizer, hf_generate_fn(target.model, pad, eos_ids(target)), scratch, config,
                    max_prompt_tokens=data.max_length, seed=job.trainer.seed, target_identity=target_identity(target))
         merged = merge_shards(scratch, len(picked), config.shard_size)
         kept = merged.read_text().splitlines()

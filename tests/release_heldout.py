@@ -55,7 +55,7 @@ def make_held_out(target, name: str) -> Path:
     from data.sources import load_conversations
     from data.split import is_eval
     from data.template import prompt_ids
-    from train.offline import _eos_ids, target_identity
+    from train.selfdistill import eos_ids, target_identity
 
     job, path = release_job(name), held_out_path(name)
     data, wanted = job.data, job.trainer.eval_batches * job.trainer.batch_size
@@ -75,7 +75,7 @@ def make_held_out(target, name: str) -> Path:
     config = dataclasses.replace(data.regenerate, shard_size=len(picked))
     pad = target.config.pad_token_id if target.config.pad_token_id is not None else 0
     with tempfile.TemporaryDirectory() as scratch:
-        regenerate(picked, target.tokenizer, hf_generate_fn(target.model, pad, _eos_ids(target)), scratch, config,
+        regenerate(picked, target.tokenizer, hf_generate_fn(target.model, pad, eos_ids(target)), scratch, config,
                    max_prompt_tokens=data.max_length, seed=job.trainer.seed, target_identity=target_identity(target))
         tmp = path.with_suffix(".jsonl.tmp")
         shutil.copyfile(merge_shards(scratch, len(picked), config.shard_size), tmp)
@@ -90,7 +90,7 @@ def evaluate_release(target, name: str, cache_dir: Path | None = None) -> tuple[
     from data.sources import load_conversations
     from export.validate import load_export
     from train.data_order import eval_batches
-    from train.evaluate import run_eval
+    from train.heldout import run_held_out
     from train.kinds import head_kind
     from train.objectives import FrozenParts, OnlineFeatures
 
@@ -105,8 +105,8 @@ def evaluate_release(target, name: str, cache_dir: Path | None = None) -> tuple[
     kind = head_kind(job.heads)
     pad = target.config.pad_token_id if target.config.pad_token_id is not None else 0
     batches = eval_batches(rows, job.trainer.batch_size, 1, 0, job.trainer.eval_batches, pad, target.device)
-    figures = run_eval(head.eval(), kind, FrozenParts.from_target(target),
-                       OnlineFeatures(target, kind.feature_layers(target.num_layers)), batches)
+    figures = run_held_out(head.eval(), kind, FrozenParts.from_target(target),
+                           OnlineFeatures(target, kind.feature_layers(target.num_layers)), batches)
     return figures, manifest["training"]["held_out"]
 
 

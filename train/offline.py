@@ -5,10 +5,7 @@
   of running the target, with the same losses as online mode. Once the cache is finished,
   `parts_only_layers(job)` says the job needs only the target's embedding, final norm, lm_head
   (and EAGLE's init layers): `heads.target_parts.load_target_parts` loads just those.
-- Self-distillation: `regenerate_data(job, target, generate_fn=None)` rewrites the assistant turns
-  with the target (data/regenerate.py) and returns the ShareGPT JSONL that `data.source` should
-  point to. The orchestrator (train/pipeline.py) may pass the lean runtime's generator (library
-  modules of train/ do not import eval/); the default is transformers' `generate`.
+Self-distillation, the data stage's other product made with the target, is train/selfdistill.py.
 
 Under torchrun every rank calls these; ranks write disjoint shards and meet on the files
 (no process group exists yet at this stage), so a shared filesystem is assumed across nodes.
@@ -62,11 +59,11 @@ class OfflineFeatures:
         return out.to(ids.device)
 
 
-def _rank_world() -> tuple[int, int]:
+def rank_world() -> tuple[int, int]:
     return int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
 
 
-def _wait_for(paths: list[Path], what: str, poll_seconds: float = 2.0) -> None:
+def wait_for(paths: list[Path], what: str, poll_seconds: float = 2.0) -> None:
     """File barrier: other ranks are still writing their shards."""
     last_log = time.time()
     while True:
@@ -91,17 +88,17 @@ def offline_source(job, target, prepared, layers: tuple[int, ...] | None = None)
         layers = head_kind(job.heads).feature_layers(target.num_layers)
     directory = feature_cache_dir(job)
     rows = list(prepared.train) + list(prepared.eval)
-    rank, world = _rank_world()
+    rank, world = rank_world()
     pad_id = target.config.pad_token_id if target.config.pad_token_id is not None else 0
     write_feature_cache(directory, target, rows, layers=tuple(layers), dtype=job.data.feature_cache_dtype,
                         shard_records=job.data.feature_shard_records, batch_size=job.trainer.batch_size,
                         pad_id=pad_id, rank=rank, world_size=world, target_fingerprint=target.fingerprint(),
                         device=target.device)
     shards = -(-len(rows) // job.data.feature_shard_records)
-    _wait_for([directory / shard_name(s) for s in range(shards)], "feature shards")
+    wait_for([directory / shard_name(s) for s in range(shards)], "feature shards")
     if rank == 0:
         write_index(directory)
-    _wait_for([directory / "index.json"], "feature index")
+    wait_for([directory / "index.json"], "feature index")
     cache = FeatureCache(directory)
     written_by = cache.index.get("target") or {}
     if written_by.get("id") and written_by["id"] != target.fingerprint()["id"]:
@@ -125,41 +122,3 @@ def parts_only_layers(job) -> list[int] | None:
     if job.trainer.init_from:
         return []
     return head_kind(job.heads).init_layers()
-
-
-def _eos_ids(target) -> list[int]:
-    eos = getattr(target.model.generation_config, "eos_token_id", None) or target.config.eos_token_id
-    return [eos] if isinstance(eos, int) else list(eos or [])
-
-
-def target_identity(target) -> dict:
-    """What identifies the target's replies: its weights' fingerprint and its tokenizer."""
-    tokenizer = target.tokenizer_hash() if target.tokenizer is not None else None
-    return {"fingerprint": target.fingerprint()["id"], "tokenizer": tokenizer}
-
-
-def regenerate_data(job, target, generate_fn=None) -> Path:
-    """Self-distillation stage: regenerate the assistant turns of `data.source` with the target into
-    data.regenerate.output_dir (default <run_dir>/regenerated); returns regenerated.jsonl, for
-    `data.source`. Resumes at the first missing shard."""
-    from data.regenerate import hf_generate_fn, merge_shards, regenerate
-    from data.sources import load_conversations
-
-    config = job.data.regenerate
-    directory = Path(config.output_dir or Path(job.trainer.output_dir) / "regenerated")
-    conversations, _ = load_conversations(job.data)
-    limit = job.data.max_records or len(conversations)
-    records = [conversations[i] for i in range(min(limit, len(conversations)))]
-    if generate_fn is None:
-        pad = target.config.pad_token_id if target.config.pad_token_id is not None else 0
-        generate_fn = hf_generate_fn(target.model, pad, _eos_ids(target))
-    rank, world = _rank_world()
-    regenerate(records, target.tokenizer, generate_fn, directory, config, max_prompt_tokens=job.data.max_length,
-               rank=rank, world_size=world, seed=job.trainer.seed, target_identity=target_identity(target))
-    shards = -(-len(records) // config.shard_size)
-    _wait_for([directory / f"regenerated-{s:05d}.jsonl" for s in range(shards)], "regenerated shards")
-    merged = directory / "regenerated.jsonl"
-    if rank == 0:
-        merge_shards(directory, len(records), config.shard_size)
-    _wait_for([merged], "merged regenerated data")
-    return merged

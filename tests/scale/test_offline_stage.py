@@ -1,4 +1,4 @@
-"""The pipeline's entry points for offline mode and self-distillation (train/offline.py)."""
+"""The pipeline's entry points for offline mode and self-distillation (train/offline.py, train/selfdistill.py)."""
 import json
 
 import torch
@@ -7,7 +7,8 @@ from tests.helpers import ToyTokenizer
 from tests.tiny import tiny_target
 from tests.train.loop_fixtures import tiny_data, tiny_job
 from train.objectives import OnlineFeatures
-from train.offline import offline_source, regenerate_data
+from train.offline import offline_source
+from train.selfdistill import regenerate_data
 
 
 def test_offline_source_builds_the_cache_once_and_serves_online_features(tmp_path):
