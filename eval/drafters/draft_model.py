@@ -124,7 +124,7 @@ class DraftModelDrafter:
         self.controller.update(len(accepted), gamma)
 
 
-def self_speculation_drafter(target: LeanLlama, num_layers: int, controller: DynamicGamma | None = None,
+def self_speculation_drafter(lean: LeanLlama, num_layers: int, controller: DynamicGamma | None = None,
                              max_length: int | None = None) -> DraftModelDrafter:
     """Draft with the target's first `num_layers` blocks plus its final norm and lm_head."""
-    return DraftModelDrafter(target.truncated(num_layers), controller, max_length)
+    return DraftModelDrafter(lean.truncated(num_layers), controller, max_length)

@@ -45,18 +45,18 @@ MODES = ("chain", "tree")
 class EagleDrafter:
     """feature_layers: (-1,) for an EAGLE-1/2 head, the head's aux_layer_ids for EAGLE-3."""
 
-    def __init__(self, head: EagleHead | Eagle3Head, target: LeanLlama, mode: str = "tree", depth: int = 4,
+    def __init__(self, head: EagleHead | Eagle3Head, lean: LeanLlama, mode: str = "tree", depth: int = 4,
                  top_k: int = 4, total_tokens: int = 16, draft_vocab: torch.Tensor | None = None):
         if mode not in MODES:
             raise ValueError(f"eagle drafter: mode must be one of {MODES}, got {mode!r}")
         if depth < 1 or top_k < 1 or total_tokens < 2:
             raise ValueError("eagle drafter: need depth >= 1, top_k >= 1, total_tokens >= 2")
-        _check_head(head, target)
-        self.head, self.target = head.eval(), target
+        _check_head(head, lean)
+        self.head, self.lean = head.eval(), lean
         self.mode, self.depth, self.top_k, self.total_tokens = mode, depth, top_k, total_tokens
         self.dtype = next(head.parameters()).dtype
-        lm_head = None if isinstance(head, Eagle3Head) else target.lm_head
-        self.runtime = LeanEagleHead(head, capacity=target.config.max_seq_len, lm_head=lm_head, draft_vocab=draft_vocab)
+        lm_head = None if isinstance(head, Eagle3Head) else lean.lm_head
+        self.runtime = LeanEagleHead(head, capacity=lean.config.max_seq_len, lm_head=lm_head, draft_vocab=draft_vocab)
         self.feature_layers = self.runtime.feature_layers
         self.vocab = self.runtime.vocab  # (Vd,) target ids of the draft logits' columns, or None
         self.catch_up_output: torch.Tensor | None = None
@@ -74,7 +74,7 @@ class EagleDrafter:
         self.runtime.reset()
 
     def _embed(self, tokens: torch.Tensor) -> torch.Tensor:
-        return self.target.embedding[tokens].to(self.dtype)
+        return self.lean.embedding[tokens].to(self.dtype)
 
     def _token_ids(self, indices: torch.Tensor) -> torch.Tensor:
         """Columns of the draft logits -> target token ids (EAGLE-3: i + d2t[i])."""
@@ -84,7 +84,7 @@ class EagleDrafter:
         """(Vd,) draft distribution -> (V,) over target ids, zero outside the draft vocabulary."""
         if self.vocab is None:
             return q
-        return q.new_zeros(self.target.config.vocab_size).index_copy_(0, self.vocab, q)
+        return q.new_zeros(self.lean.config.vocab_size).index_copy_(0, self.vocab, q)
 
     def committed_features(self, state: DraftState) -> torch.Tensor:
         """(A, F) the target's feature_layers for tokens[T-1-A : T-1], concatenated in order."""
@@ -187,8 +187,8 @@ class EagleDrafter:
         return node_tokens, node_parents, node_scores, node_depths
 
 
-def _check_head(head: EagleHead | Eagle3Head, target: LeanLlama) -> None:
-    c, t = head.config, target.config
+def _check_head(head: EagleHead | Eagle3Head, lean: LeanLlama) -> None:
+    c, t = head.config, lean.config
     problems = []
     if c.hidden_size != t.hidden_size:  # the head embeds with the target's embedding
         problems.append(f"hidden_size: head {c.hidden_size} vs target {t.hidden_size}")
@@ -199,7 +199,7 @@ def _check_head(head: EagleHead | Eagle3Head, target: LeanLlama) -> None:
             problems.append(f"target_hidden_size: head {c.target_hidden_size} vs target {t.hidden_size}")
         if any(not 0 <= layer < t.num_layers for layer in c.aux_layer_ids):
             problems.append(f"aux_layer_ids {c.aux_layer_ids}: the target has layers 0..{t.num_layers - 1}")
-    elif target.lm_head.bias is not None:
+    elif lean.lm_head.bias is not None:
         problems.append("an lm_head with bias is not supported")
     if problems:
         raise ValueError("eagle drafter: head and target disagree: " + "; ".join(problems))
@@ -247,15 +247,15 @@ def measure_tree_acceptance(drafter: EagleDrafter, sequences: Sequence[torch.Ten
     drafts greedy verification would accept.
     Returns {"accepted": {budget: mean accepted drafts}, "catch_up_seconds", "expand_seconds"
     (means per position), "levels" (expansion depth), "positions"}."""
-    num_layers = drafter.target.config.num_layers
+    num_layers = drafter.lean.config.num_layers
     layers = sorted({layer % (num_layers + 1) for layer in drafter.feature_layers})
     levels = min(drafter.depth, drafter.total_tokens - 1)
     totals = {budget: 0 for budget in budgets}
     catch_up_seconds = expand_seconds = 0.0
     positions = 0
     for sequence, prompt_length in zip(sequences, prompt_lengths):
-        cache = drafter.target.new_cache(sequence.shape[0])
-        features = drafter.target(sequence, cache, hidden_layers=layers, logits="none").hidden  # {layer: (T, D)}
+        cache = drafter.lean.new_cache(sequence.shape[0])
+        features = drafter.lean(sequence, cache, hidden_layers=layers, logits="none").hidden  # {layer: (T, D)}
         drafter.reset(sequence)
         for root in range(prompt_length, sequence.shape[0] - levels):  # committed tokens: sequence[: root + 1]
             new = {layer: features[layer][drafter.cache_length: root] for layer in layers}

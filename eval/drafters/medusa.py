@@ -20,20 +20,20 @@ from heads.medusa import MedusaHeads
 class MedusaDrafter:
     feature_layers: tuple[int, ...] = (-1,)
 
-    def __init__(self, heads: MedusaHeads, target: LeanLlama, choices: Sequence[Sequence[int]],
+    def __init__(self, heads: MedusaHeads, lean: LeanLlama, choices: Sequence[Sequence[int]],
                  draft_vocab: torch.Tensor | None = None):
         self.choices: Choices = normalize_choices(choices)
         self.num_used = max(len(path) for path in self.choices)
         if self.num_used > heads.config.num_heads:
             raise ValueError(f"medusa tree has depth {self.num_used} > {heads.config.num_heads} heads")
-        self.heads, self.target = heads.eval(), target
+        self.heads, self.lean = heads.eval(), lean
         self.parents = torch.tensor(choices_to_parents(self.choices), dtype=torch.long)
         self.head_index = torch.tensor([len(path) - 1 for path in self.choices])  # (N,)
         self.rank_index = torch.tensor([path[-1] for path in self.choices])  # (N,)
         self.top = int(self.rank_index.max()) + 1
         # Transposed contiguous vocabulary projections (x @ W_t is the fast CPU GEMV).
         self.vocab = None if draft_vocab is None else torch.as_tensor(draft_vocab, dtype=torch.long)
-        shared = target.lm_head.weight_t  # (D, V)
+        shared = lean.lm_head.weight_t  # (D, V)
         if self.vocab is not None:
             shared = shared[:, self.vocab].contiguous()  # (D, Vd)
         rows = slice(None) if self.vocab is None else self.vocab
@@ -88,9 +88,9 @@ def measure_rank_accuracies(drafter: MedusaDrafter, sequences: Sequence[torch.Te
     hits = torch.zeros(heads, top)
     counts = torch.zeros(heads)
     for sequence, prompt_length in zip(sequences, prompt_lengths):
-        cache = drafter.target.new_cache(sequence.shape[0])
-        features = drafter.target(sequence, cache, hidden_layers=(-1,), logits="none").hidden[
-            drafter.target.config.num_layers]  # (T, D)
+        cache = drafter.lean.new_cache(sequence.shape[0])
+        features = drafter.lean(sequence, cache, hidden_layers=(-1,), logits="none").hidden[
+            drafter.lean.config.num_layers]  # (T, D)
         logits = drafter.head_logits(features)  # (K, T, V)
         for k in range(heads):
             rows = torch.arange(max(prompt_length - 1, 0), sequence.shape[0] - k - 2)
@@ -99,7 +99,7 @@ def measure_rank_accuracies(drafter: MedusaDrafter, sequences: Sequence[torch.Te
             labels = sequence[rows + k + 2]
             chosen = logits[k, rows]  # (R, Vd)
             if drafter.vocab is not None:  # labels outside the subset can never be drafted
-                position = torch.full((drafter.target.config.vocab_size,), -1, dtype=torch.long)
+                position = torch.full((drafter.lean.config.vocab_size,), -1, dtype=torch.long)
                 position[drafter.vocab] = torch.arange(drafter.vocab.shape[0])
                 labels = position[labels]
                 keep = labels >= 0
