@@ -149,7 +149,7 @@ def medusa_eval_counts(heads: nn.Module, parts: FrozenParts, batch: dict, featur
     return counts
 
 
-def summarize(counts: torch.Tensor, unit: str) -> dict[str, float]:
+def held_out_figures(counts: torch.Tensor, unit: str) -> dict[str, float]:
     """(S, 3) summed counts -> {eval/top1_<unit><i>, eval/top5_<unit><i>, eval/positions,
     eval/acceptance_length}; unit: "step" (drafted chain depth) or "head" (Medusa head)."""
     top1 = (counts[:, 0] / counts[:, 2].clamp(min=1)).tolist()
@@ -163,11 +163,11 @@ def summarize(counts: torch.Tensor, unit: str) -> dict[str, float]:
 
 
 @torch.no_grad()
-def run_eval(head: nn.Module, kind, parts: FrozenParts, source, batches, reduce=None,
+def run_held_out(head: nn.Module, kind, parts: FrozenParts, source, batches, reduce=None,
              cache: dict | None = None) -> dict[str, float]:
     """Sum the head kind's counts (`kind.eval_counts`, (kind.eval_rows, 3)) over `batches` (this
     process's share, maybe empty), `reduce(counts)` sums them across processes (None: one
-    process), and summarize. `cache`: a dict kept between evaluations of the same batches (the
+    process), and held_out_figures. `cache`: a dict kept between evaluations of the same batches (the
     target's greedy tokens per batch)."""
     counts = torch.zeros(kind.eval_rows, 3, device=parts.lm_head_weight.device)
     for index, batch in enumerate(batches):
@@ -177,4 +177,4 @@ def run_eval(head: nn.Module, kind, parts: FrozenParts, source, batches, reduce=
         counts[: c.shape[0]] += c
     if reduce is not None:
         counts = reduce(counts)
-    return summarize(counts.cpu(), kind.unit)
+    return held_out_figures(counts.cpu(), kind.unit)

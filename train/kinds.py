@@ -29,7 +29,7 @@ from heads.io import build_head
 from heads.medusa import MedusaConfig, init_from_target as init_medusa
 from heads.vocab import set_draft_vocab
 from train.eagle3_objective import eagle3_step, feature_layers as eagle3_feature_layers
-from train.evaluate import eagle3_eval_counts, eagle_eval_counts, medusa_eval_counts
+from train.heldout import eagle3_eval_counts, eagle_eval_counts, medusa_eval_counts
 from train.objectives import FINAL, FeatureSource, FrozenParts, eagle_step, medusa_step, ridge_sums
 
 log = logging.getLogger(__name__)

@@ -24,7 +24,7 @@ from train.checkpoint import (
     TrainingDiverged, find_resume, prune_checkpoints, rng_state, save_checkpoint, set_rng_state,
 )
 from train.data_order import BatchStream, eval_batches
-from train.evaluate import run_eval
+from train.heldout import run_held_out
 from train.kinds import HeadKind, head_kind
 from train.metrics import MetricsLogger, gpu_memory_metrics
 from train.objectives import (
@@ -165,10 +165,10 @@ def train_heads(job, target, data, source: FeatureSource | None = None, accelera
     eval_cache: dict = {}  # the target's greedy tokens on the held-out batches, computed once
     last_saved = resume
 
-    def evaluate() -> dict:
+    def score_held_out() -> dict:
         model = accelerator.unwrap_model(head).eval()
         with accelerator.autocast():
-            metrics = run_eval(model, kind, parts, eval_source, held_out, reduce, eval_cache)
+            metrics = run_held_out(model, kind, parts, eval_source, held_out, reduce, eval_cache)
         head.train()
         return metrics
 
@@ -193,7 +193,7 @@ def train_heads(job, target, data, source: FeatureSource | None = None, accelera
 
     def evaluate_and_track(step: int) -> dict:
         nonlocal best_step
-        metrics = state["last_eval"] = evaluate()
+        metrics = state["last_eval"] = score_held_out()
         value = metrics[BEST_METRIC]
         if state["best"] is None or value > state["best"]["value"]:
             state["best"] = {"step": step, "metric": BEST_METRIC, "value": value}
@@ -258,7 +258,7 @@ def train_heads(job, target, data, source: FeatureSource | None = None, accelera
                 stopped = "max_minutes"
                 break
         if last_eval_step != state["step"]:
-            state["last_eval"] = evaluate()
+            state["last_eval"] = score_held_out()
         best = root / f"step-{best_step:08d}" if best_step is not None else None
         result = TrainResult(run_dir=run_dir, head_type=kind.name, steps=state["step"], stopped=stopped,
                              last_checkpoint=last_saved, best_checkpoint=best,

@@ -155,7 +155,7 @@ def eagle_step(head: nn.Module, parts: FrozenParts, batch: dict, features: torch
                options: EagleOptions, chunk_size: int) -> dict:
     """EAGLE step over the T-1 positions of a batch (alignment: train/losses.py). Step 0 is
     teacher-forced (the head reads the target's f_t); with options.train_steps = S > 1 the head
-    is unrolled S steps as in speculative decoding (train/evaluate.py's chains, EAGLE-3's
+    is unrolled S steps as in speculative decoding (train/heldout.py's chains, EAGLE-3's
     training-time test): step j reads the data token x_{t+1+j} and its own step j-1 output
     (detached), attends to the true context and its own chain, and is scored against f_{t+1+j}
     with weight unroll_loss_decay**j. The logit loss runs over the head's draft vocabulary (the

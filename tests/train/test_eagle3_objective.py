@@ -169,7 +169,7 @@ def test_draft_vocab_teacher_and_loss_by_hand():
 
 
 def test_held_out_counts_match_the_draft_loop_and_miss_outside_the_vocabulary(target):
-    from train.evaluate import eagle3_eval_counts, summarize
+    from train.heldout import eagle3_eval_counts, held_out_figures
 
     vocab = torch.randperm(128)[:64].sort().values
     head = _head(target, vocab, seed=3).eval()
@@ -185,5 +185,5 @@ def test_held_out_counts_match_the_draft_loop_and_miss_outside_the_vocabulary(ta
     # a target token outside the draft vocabulary is a miss even in the top-5
     outside = int((~head.t2d[truths[0]]).sum())
     assert 0 < outside and counts[0, 1] <= counts[0, 2] - outside
-    metrics = summarize(counts, "step")
+    metrics = held_out_figures(counts, "step")
     assert set(metrics) >= {"eval/top1_step0", "eval/top5_step2", "eval/acceptance_length"}

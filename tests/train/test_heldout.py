@@ -4,7 +4,7 @@ from torch import nn
 
 from heads.eagle import EagleConfig, EagleHead
 from heads.medusa import MedusaConfig, MedusaHeads
-from train.evaluate import acceptance_estimate, eagle_eval_counts, eagle_unroll, medusa_eval_counts, summarize
+from train.heldout import acceptance_estimate, eagle_eval_counts, eagle_unroll, medusa_eval_counts, held_out_figures
 from train.objectives import FrozenParts, OnlineFeatures
 from tests.tiny import tiny_target
 
@@ -49,12 +49,12 @@ def test_eagle_counts_with_perfect_and_wrong_heads(target):
     features = OnlineFeatures(target)(batch)
     parts = FrozenParts.from_target(target)
     counts = eagle_eval_counts(OracleHead(features), parts, batch, features, steps=3)
-    metrics = summarize(counts, "step")
+    metrics = held_out_figures(counts, "step")
     assert [metrics[f"eval/top1_step{j}"] for j in range(3)] == [1.0, 1.0, 1.0]
     assert metrics["eval/acceptance_length"] == 4.0
     # chain t at step j counts iff x_{t+2+j} is an assistant token (index 3..11): t in [max(0, 1-j), 9-j]
     assert counts[:, 2].tolist() == [18.0, 18.0, 16.0]
-    wrong = summarize(eagle_eval_counts(OracleHead(features, -1.0), parts, batch, features, 3), "step")
+    wrong = held_out_figures(eagle_eval_counts(OracleHead(features, -1.0), parts, batch, features, 3), "step")
     assert wrong["eval/top1_step0"] == 0.0 and wrong["eval/acceptance_length"] == 1.0
 
 
@@ -109,7 +109,7 @@ def test_held_out_chains_draft_what_the_runtime_chain_drafts():
     from eval.model import LeanLlama
     from eval.sampling import SamplingConfig
     from heads.eagle import EagleConfig, EagleHead, init_from_target
-    from train.evaluate import eagle_unroll
+    from train.heldout import eagle_unroll
     from train.objectives import FrozenParts
     from tests.tiny import tiny_target
 

@@ -75,7 +75,7 @@ def test_eagle_step_scores_the_heads_draft_vocabulary_only():
 def test_eagle_step_unrolled_scores_the_heads_own_chain_like_the_evaluation():
     from heads.config import EagleOptions
     from heads.eagle import EagleConfig, EagleHead
-    from train.evaluate import eagle_unroll
+    from train.heldout import eagle_unroll
     from train.losses import eagle_loss
 
     target = tiny_target()
