@@ -37,7 +37,7 @@ def count_vocab(recipe: str, overrides: list[str]):
     job = compose_job([f"+recipe={recipe}", *overrides])
     target = load_job_target(job)
     if job.data.regenerate.enabled:
-        from train.offline import regenerate_data
+        from train.selfdistill import regenerate_data
 
         regenerated = regenerate_data(job, target, None)
         job = dataclasses.replace(job, data=dataclasses.replace(job.data, source=str(regenerated), format="jsonl"))
