@@ -20,7 +20,6 @@ import torch.nn.functional as F
 from eval.drafters import Candidates, DraftState
 from eval.drafters.eagle import select_tree
 from eval.drafters.lean_head import LeanEagleHead
-from eval.model import _rotate
 from eval.sampling import probabilities, sample
 
 
@@ -41,14 +40,7 @@ def draft_many(runtimes: Sequence[LeanEagleHead], embeds: torch.Tensor, hidden: 
     x, residual = head.head_inputs.inputs(embeds.reshape(b * n, d).to(head.dtype),
                                           hidden.reshape(b * n, -1).to(head.dtype))
     qkv = head.qkv(x).view(b * n, H + 2 * Hkv, hd)
-    flat = positions.reshape(-1).to(head.device)
-    cos, sin = head.cos[flat].unsqueeze(1), head.sin[flat].unsqueeze(1)  # (B*n, 1, hd)
-    if head.q_norm is None:
-        qk = _rotate(qkv[:, : H + Hkv], cos, sin)
-        q, k = qk[:, :H], qk[:, H:]
-    else:
-        q, k, _ = qkv.split((H, Hkv, Hkv), dim=1)
-        q, k = _rotate(head.q_norm(q), cos, sin), _rotate(head.k_norm(k), cos, sin)
+    q, k = head.rotated_qk(qkv, positions.reshape(-1).to(head.device))
     k, v = k.reshape(b, n, Hkv, hd), qkv[:, H + Hkv:].reshape(b, n, Hkv, hd)
     allowed = torch.zeros(b, 1, n, span, dtype=torch.bool, device=head.device)
     for row, (runtime, start, end) in enumerate(zip(runtimes, starts, ends)):

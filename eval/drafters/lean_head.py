@@ -201,6 +201,17 @@ class LeanEagleHead:
         """(n, D) outputs -> (n, Vd) float draft logits; column j is target id vocab[j] (or j)."""
         return self.head_inputs.logits(out)
 
+    def rotated_qk(self, qkv: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(rows, H + 2 Hkv, hd) fused projections at `positions` (rows,) -> RoPE-rotated q
+        (rows, H, hd) and k (rows, Hkv, hd), q/k-normed first where the head has those norms."""
+        H, Hkv = self.heads, self.kv_heads
+        cos, sin = self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)  # (rows, 1, hd)
+        if self.q_norm is None:
+            qk = _rotate(qkv[:, : H + Hkv], cos, sin)
+            return qk[:, :H], qk[:, H:]
+        q, k, _ = qkv.split((H, Hkv, Hkv), dim=1)
+        return _rotate(self.q_norm(q), cos, sin), _rotate(self.k_norm(k), cos, sin)
+
     def _forward(self, embeds, hidden, positions, mask):
         n, H, Hkv, hd = embeds.shape[0], self.heads, self.kv_heads, self.head_dim
         start = self.length + self.drafted
@@ -214,13 +225,7 @@ class LeanEagleHead:
         # a split target's embeddings come from its first device, its features from its last (the head's)
         x, residual = self.head_inputs.inputs(embeds.to(self.device, self.dtype), hidden)
         qkv = self.qkv(x).view(n, H + 2 * Hkv, hd)
-        cos, sin = self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)  # (n, 1, hd)
-        if self.q_norm is None:
-            qk = _rotate(qkv[:, : H + Hkv], cos, sin)
-            q, k = qk[:, :H], qk[:, H:]
-        else:
-            q, k, _ = qkv.split((H, Hkv, Hkv), dim=1)
-            q, k = _rotate(self.q_norm(q), cos, sin), _rotate(self.k_norm(k), cos, sin)
+        q, k = self.rotated_qk(qkv, positions)
         self.k[:, start:end] = k.transpose(0, 1)
         self.v[:, start:end] = qkv[:, H + Hkv:].transpose(0, 1)
         out = F.scaled_dot_product_attention(
