@@ -20,14 +20,12 @@ class TreeLayout:
     """parents (N,) int64, root first (-1).
     mask (N, N) bool: mask[i, j] = node j is i or an ancestor of i (what node i may attend to).
     depths (N,) int64: root 0; position id of node i is prefix_length + depths[i].
-    paths (P, Dmax + 1) int64: root-to-leaf node indices, one row per leaf, right-padded with -1.
     bits (N,) int64 or None (N > 64): bit j of bits[i] set iff mask[i, j] (for the Triton kernel).
     """
 
     parents: torch.Tensor
     mask: torch.Tensor
     depths: torch.Tensor
-    paths: torch.Tensor
     bits: torch.Tensor | None
 
     @property
@@ -39,36 +37,25 @@ class TreeLayout:
 
 
 def build_tree(parents: Sequence[int] | torch.Tensor) -> TreeLayout:
-    """Derive mask, depths, paths and ancestor bitmask from parent indices (N,)."""
+    """Derive mask, depths and ancestor bitmask from parent indices (N,)."""
     parent_list = [int(p) for p in (parents.tolist() if torch.is_tensor(parents) else parents)]
     n = len(parent_list)
     if n == 0 or parent_list[0] != -1:
         raise ValueError("tree: node 0 must be the root with parent -1")
     ancestors = [0] * n  # Python-int bitmask of node i and its ancestors
     depths = [0] * n
-    has_child = [False] * n
     for i, p in enumerate(parent_list):
         if i > 0:
             if not 0 <= p < i:
                 raise ValueError(f"tree: node {i} has parent {p}; parents must precede children")
             ancestors[i] = ancestors[p]
             depths[i] = depths[p] + 1
-            has_child[p] = True
         ancestors[i] |= 1 << i
     mask = _bits_to_mask(ancestors, n)
-    leaves = [i for i in range(n) if not has_child[i]]
-    max_depth = max(depths)
-    paths = torch.full((len(leaves), max_depth + 1), -1, dtype=torch.long)
-    for row, leaf in enumerate(leaves):
-        chain, node = [], leaf
-        while node != -1:
-            chain.append(node)
-            node = parent_list[node]
-        paths[row, : len(chain)] = torch.tensor(chain[::-1])
     bits = None
     if n <= MAX_BITMASK_NODES:
         bits = torch.tensor([a - (1 << 64) if a >= 1 << 63 else a for a in ancestors], dtype=torch.long)
-    return TreeLayout(torch.tensor(parent_list, dtype=torch.long), mask, torch.tensor(depths), paths, bits)
+    return TreeLayout(torch.tensor(parent_list, dtype=torch.long), mask, torch.tensor(depths), bits)
 
 
 def _bits_to_mask(ancestors: list[int], n: int) -> torch.Tensor:

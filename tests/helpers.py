@@ -83,6 +83,20 @@ def random_parents(n: int, rng: random.Random, max_children: int | None = None) 
     return parents
 
 
+def tree_paths(parents) -> list[list[int]]:
+    """Root-to-leaf node indices of the tree given by parent indices, one list per leaf, in leaf order."""
+    parents = [int(p) for p in parents]
+    leaves = [i for i in range(len(parents)) if i not in parents]
+    paths = []
+    for leaf in leaves:
+        chain, node = [], leaf
+        while node != -1:
+            chain.append(node)
+            node = parents[node]
+        paths.append(chain[::-1])
+    return paths
+
+
 def chi_square_p_value(counts: dict, exact: dict, samples: int) -> float:
     """P-value of observed counts against exact probabilities (Pearson's chi-square)."""
     statistic = sum((counts.get(k, 0) - samples * e) ** 2 / (samples * e) for k, e in exact.items())

@@ -349,28 +349,6 @@ def _restore_zero3(zero, params, state: dict[str, torch.Tensor], step: torch.Ten
                 partition.data = piece.data
 
 
-def save_head_state(path: str, accelerator, model, optimizer) -> None:
-    """Gather (all processes) and write the head state as safetensors on the main process,
-    atomically (temp + rename)."""
-    from safetensors.torch import save_file
-
-    state = gather_head_state(accelerator, model, optimizer)
-    if accelerator.is_main_process:
-        tmp = f"{path}.tmp-{os.getpid()}"
-        save_file({k: v.contiguous() for k, v in state.items()}, tmp)
-        os.replace(tmp, path)
-    accelerator.wait_for_everyone()
-
-
-def load_head_state(path: str, accelerator, model, optimizer) -> int:
-    """Read a `save_head_state` file into the prepared model/optimizer; returns the saved step."""
-    from safetensors.torch import load_file
-
-    state = load_file(path)
-    restore_head_state(accelerator, model, optimizer, state)
-    return int(state["step"].item())
-
-
 # -- stages that run once per job ------------------------------------------------------------------
 # Eval and export need one process: eight evaluations of the same head measure nothing new, and
 # concurrent exports race on the output folder. Rank 0 runs them; the other ranks wait on a gloo

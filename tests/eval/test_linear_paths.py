@@ -11,6 +11,7 @@ from eval.linear_paths import PATHS, Path, choose_plan, parity_error, select_pat
 from eval.model import LeanLlama, Linear
 from eval.tree import build_tree
 from tests.eval.test_model import _family_model
+from tests.helpers import tree_paths
 from tests.tiny import tiny_model
 
 CHUNKS = (slice(0, 9), slice(9, 10), slice(10, 12), slice(12, 16), slice(16, 21))  # prefill, 1, 2, 4, 5 rows
@@ -67,8 +68,7 @@ def test_tree_forward_with_a_chosen_plan_equals_each_path_as_a_chain():
     cache.commit()
     tree_logits = lean(tokens, cache, positions=cache.length + tree.depths, tree_mask=tree.mask).logits
     cache.compact([])
-    for path in tree.paths.tolist():
-        path = [i for i in path if i >= 0]
+    for path in tree_paths(tree.parents.tolist()):
         chain_logits = lean(tokens[path], cache).logits
         cache.compact([])
         torch.testing.assert_close(tree_logits[path], chain_logits, atol=1e-5, rtol=1e-5)

@@ -4,6 +4,7 @@ import torch
 
 from eval.model import LeanLlama
 from eval.tree import build_tree
+from tests.helpers import tree_paths
 from tests.tiny import tiny_model
 
 COMMON = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
@@ -77,8 +78,7 @@ def test_tree_forward_equals_each_path_run_as_a_chain():
     cache.commit()
     tree_logits = lean(tokens, cache, positions=cache.length + tree.depths, tree_mask=tree.mask).logits
     cache.compact([])
-    for path in tree.paths.tolist():
-        path = [i for i in path if i >= 0]
+    for path in tree_paths(tree.parents.tolist()):
         chain_logits = lean(tokens[path], cache).logits
         cache.compact([])
         torch.testing.assert_close(tree_logits[path], chain_logits, atol=1e-5, rtol=1e-5)

@@ -9,20 +9,20 @@ import torch.nn.functional as F
 from eval.attention import mask_to_bits
 from eval.attention.reference import reference_tree_attention
 from eval.tree import build_tree, candidate_parents_to_tree, chain_parents
-from tests.helpers import random_parents
+from tests.helpers import random_parents, tree_paths
 
 
 def test_chain_layout():
     tree = build_tree(chain_parents(4))
     assert torch.equal(tree.mask, torch.ones(5, 5, dtype=torch.bool).tril())
-    assert tree.depths.tolist() == [0, 1, 2, 3, 4] and tree.paths.tolist() == [[0, 1, 2, 3, 4]]
+    assert tree.depths.tolist() == [0, 1, 2, 3, 4] and tree_paths(tree.parents) == [[0, 1, 2, 3, 4]]
     assert candidate_parents_to_tree([-1, 0, -1]) == [-1, 0, 1, 0]
 
 
 def test_branching_layout():
     tree = build_tree([-1, 0, 0, 1, 1, 2])
     assert tree.depths.tolist() == [0, 1, 1, 2, 2, 2]
-    assert tree.paths.tolist() == [[0, 1, 3], [0, 1, 4], [0, 2, 5]]
+    assert tree_paths(tree.parents) == [[0, 1, 3], [0, 1, 4], [0, 2, 5]]
     assert tree.mask[4].nonzero().flatten().tolist() == [0, 1, 4]
     assert tree.children(1) == [3, 4]
 
@@ -55,8 +55,7 @@ def test_tree_attention_equals_causal_attention_per_path(seed, n, max_children):
     k = torch.randn(kv_heads, prefix + n + 3, head_dim)  # spare capacity after the tree
     v = torch.randn(kv_heads, prefix + n + 3, head_dim)
     out = reference_tree_attention(q, k, v, prefix, tree.mask)
-    for path in tree.paths.tolist():
-        path = [i for i in path if i >= 0]
+    for path in tree_paths(tree.parents):
         slots = list(range(prefix)) + [prefix + i for i in path]
         keys = k[:, slots].repeat_interleave(heads // kv_heads, 0)
         values = v[:, slots].repeat_interleave(heads // kv_heads, 0)

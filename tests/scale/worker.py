@@ -28,12 +28,31 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 from heads.eagle import EagleConfig, EagleHead  # noqa: E402
 from tests.tiny import tiny_target  # noqa: E402
 from train.config import DeepSpeedConfig, TrainerConfig  # noqa: E402
-from train.distributed import full_parameters, load_head_state, make_accelerator, save_head_state  # noqa: E402
+from train.distributed import full_parameters, gather_head_state, make_accelerator, restore_head_state  # noqa: E402
 from train.losses import eagle_loss  # noqa: E402
 
 GLOBAL_BATCH = 4
 NUM_ROWS = 16
 SEQ_LEN = 12
+
+
+def save_head_state(path: str, accelerator, model, optimizer) -> None:
+    """Gather (all processes) the head state and write it as safetensors on the main process."""
+    from safetensors.torch import save_file
+
+    state = gather_head_state(accelerator, model, optimizer)
+    if accelerator.is_main_process:
+        save_file({k: v.contiguous() for k, v in state.items()}, path)
+    accelerator.wait_for_everyone()
+
+
+def load_head_state(path: str, accelerator, model, optimizer) -> int:
+    """Read a `save_head_state` file into the prepared model/optimizer; returns the saved step."""
+    from safetensors.torch import load_file
+
+    state = load_file(path)
+    restore_head_state(accelerator, model, optimizer, state)
+    return int(state["step"].item())
 
 
 def run(scenario: dict, world: int) -> dict:
