@@ -5,8 +5,8 @@ Layout of a cache folder:
                                 a resume with a different spec is refused instead of mixing caches
     shard-00000.safetensors     records [0, S), S = shard_records: flat tensors over the shard's
                                 tokens: input_ids (N,) int32, loss_mask (N,) uint8,
-                                hidden.<layer> (N, D) in the cache dtype, [topk_values (N, K),
-                                topk_indices (N, K) int32], offsets (R+1,) int64; metadata: ids
+                                hidden.<layer> (N, D) in the cache dtype, offsets (R+1,) int64;
+                                metadata: ids
     index.json                  spec + per shard: file, record ids, tokens (written last)
 
 Each shard is written to a temporary name and renamed, so a shard file exists only when complete:
@@ -54,7 +54,6 @@ class CacheSpec:
     hidden_size: int
     dtype: str = "bfloat16"
     shard_records: int = 256
-    top_k: int = 0  # also store the target's top-k logits per token (0: none)
     num_records: int = 0
     target: dict = field(default_factory=dict)  # the target's fingerprint
     version: int = _SPEC_VERSION
@@ -64,11 +63,9 @@ def _element_bytes(dtype: str) -> int:
     return torch.empty(0, dtype=_DTYPES[dtype]).element_size()
 
 
-def estimate_cache_bytes(num_tokens: int, hidden_size: int, num_layers: int, dtype: str = "bfloat16",
-                         top_k: int = 0) -> int:
-    """tokens x hidden x layers x bytes, plus ids (4 B), mask (1 B) and top-k pairs per token."""
-    element = _element_bytes(dtype)
-    return int(num_tokens * (hidden_size * num_layers * element + 5 + top_k * (element + 4)))
+def estimate_cache_bytes(num_tokens: int, hidden_size: int, num_layers: int, dtype: str = "bfloat16") -> int:
+    """tokens x hidden x layers x bytes, plus ids (4 B) and mask (1 B) per token."""
+    return int(num_tokens * (hidden_size * num_layers * _element_bytes(dtype) + 5))
 
 
 def check_disk(directory: str | os.PathLike, needed_bytes: int, margin: float = 1.05) -> None:
@@ -126,6 +123,8 @@ def _check_spec(directory: Path, spec: CacheSpec) -> None:
     path = directory / "spec.json"
     if path.is_file():
         existing = json.loads(path.read_text())
+        if existing.get("top_k") == 0:  # caches once recorded an unused top-k logits option, always 0
+            del existing["top_k"]
         if existing != asdict(spec):
             changed = sorted(k for k in set(existing) | set(asdict(spec)) if existing.get(k) != asdict(spec).get(k))
             raise ValueError(f"{directory} holds a feature cache with a different spec ({', '.join(changed)}); "
@@ -148,19 +147,14 @@ def _shard_tensors(target: FeatureTarget, rows: Sequence[dict], spec: CacheSpec,
         for b, row in enumerate(chunk):
             ids[b, :len(row["input_ids"])] = torch.as_tensor(row["input_ids"])
             mask[b, :len(row["input_ids"])] = 1
-        out = target.features(ids.to(device), mask.to(device), layers=spec.layers, return_logits=spec.top_k > 0)
+        out = target.features(ids.to(device), mask.to(device), layers=spec.layers)
         hidden = {layer: out.hidden[layer % (target.num_layers + 1)] for layer in spec.layers}  # (B, T, D)
-        if spec.top_k:
-            values, indices = out.logits.float().topk(spec.top_k, dim=-1)  # (B, T, K)
         for b, row in enumerate(chunk):
             n = len(row["input_ids"])
             parts.setdefault("input_ids", []).append(torch.as_tensor(row["input_ids"], dtype=torch.int32))
             parts.setdefault("loss_mask", []).append(torch.as_tensor(row["loss_mask"], dtype=torch.uint8))
             for layer in spec.layers:
                 parts.setdefault(f"hidden.{layer}", []).append(hidden[layer][b, :n].to("cpu", dtype))
-            if spec.top_k:
-                parts.setdefault("topk_values", []).append(values[b, :n].to("cpu", dtype))
-                parts.setdefault("topk_indices", []).append(indices[b, :n].to("cpu", torch.int32))
         advance(len(chunk))
     tensors = {key: torch.cat(value).contiguous() for key, value in parts.items()}
     lengths = torch.tensor([0] + [len(row["input_ids"]) for row in rows])
@@ -170,7 +164,7 @@ def _shard_tensors(target: FeatureTarget, rows: Sequence[dict], spec: CacheSpec,
 
 def write_feature_cache(directory: str | os.PathLike, target: FeatureTarget, rows: Sequence[dict],
                         layers: Sequence[int] = (-1,), hidden_size: int | None = None, dtype: str = "bfloat16",
-                        shard_records: int = 256, batch_size: int = 8, top_k: int = 0, pad_id: int = 0,
+                        shard_records: int = 256, batch_size: int = 8, pad_id: int = 0,
                         rank: int = 0, world_size: int = 1, target_fingerprint: dict | None = None,
                         device: str | torch.device = "cpu", progress: bool = True) -> dict:
     """Write this rank's shards of `rows` (id, input_ids, loss_mask) under `directory`, skipping
@@ -187,14 +181,14 @@ def write_feature_cache(directory: str | os.PathLike, target: FeatureTarget, row
     hidden_size = hidden_size or target.hidden_size
     layers = list(dict.fromkeys(layers))  # a layer asked for twice (small targets' EAGLE-3 defaults) is stored once
     spec = CacheSpec(layers=layers, hidden_size=hidden_size, dtype=dtype, shard_records=shard_records,
-                     top_k=top_k, num_records=len(rows), target=dict(target_fingerprint or {}))
+                     num_records=len(rows), target=dict(target_fingerprint or {}))
     if rank == 0:
         _check_spec(directory, spec)
     shards = range(rank, -(-len(rows) // shard_records), world_size)
     missing = [s for s in shards if not _shard_done(directory / shard_name(s))]
     tokens = lambda s: sum(len(r["input_ids"]) for r in rows[s * shard_records:(s + 1) * shard_records])  # noqa: E731
-    total = estimate_cache_bytes(sum(len(r["input_ids"]) for r in rows), hidden_size, len(layers), dtype, top_k)
-    needed = estimate_cache_bytes(sum(tokens(s) for s in missing), hidden_size, len(layers), dtype, top_k)
+    total = estimate_cache_bytes(sum(len(r["input_ids"]) for r in rows), hidden_size, len(layers), dtype)
+    needed = estimate_cache_bytes(sum(tokens(s) for s in missing), hidden_size, len(layers), dtype)
     message = (f"feature cache {directory}: {len(rows):,} records, {total / 1e9:,.2f} GB in all "
                f"(tokens x {hidden_size} hidden x {len(layers)} layer(s) x {_element_bytes(dtype)} B); "
                f"rank {rank}: {len(missing)} of {len(shards)} shard(s) to write, {needed / 1e9:,.2f} GB")
@@ -247,7 +241,7 @@ def write_index(directory: str | os.PathLike) -> Path:
 
 class FeatureCache(torch.utils.data.Dataset):
     """Read a finished cache (its folder or index.json): `cache[i]` or `cache.by_id(id)` -> {id, input_ids (T,) int64,
-    loss_mask (T,) int64, hidden {layer: (T, D)}, [topk_values (T, K), topk_indices (T, K)]}.
+    loss_mask (T,) int64, hidden {layer: (T, D)}}.
     Shards are memory-mapped; a record costs one slice per tensor."""
 
     def __init__(self, directory: str | os.PathLike):
@@ -302,9 +296,6 @@ class FeatureCache(torch.utils.data.Dataset):
                   "input_ids": handle.get_slice("input_ids")[a:b].long(),
                   "loss_mask": handle.get_slice("loss_mask")[a:b].long(),
                   "hidden": {layer: handle.get_slice(f"hidden.{layer}")[a:b] for layer in self.layers}}
-        if self.index.get("top_k"):
-            record["topk_values"] = handle.get_slice("topk_values")[a:b]
-            record["topk_indices"] = handle.get_slice("topk_indices")[a:b].long()
         return record
 
     def by_id(self, record_id: str) -> dict:

@@ -18,7 +18,7 @@ def _rows(n=10, seed=0):
 
 def test_estimate_is_tokens_times_hidden_times_layers_times_bytes():
     assert estimate_cache_bytes(1000, 64, 2, "bfloat16") == 1000 * (64 * 2 * 2 + 5)
-    assert estimate_cache_bytes(1000, 64, 1, "float32", top_k=4) == 1000 * (64 * 4 + 5 + 4 * 8)
+    assert estimate_cache_bytes(1000, 64, 1, "float32") == 1000 * (64 * 4 + 5)
 
 
 def test_disk_refusal_names_the_sizes(tmp_path):
@@ -30,7 +30,7 @@ def test_disk_refusal_names_the_sizes(tmp_path):
 def test_cache_round_trip_matches_the_target(tmp_path):
     target, rows = tiny_target(), _rows(10)
     write_feature_cache(tmp_path, target, rows, layers=(1, -1), dtype="float32", shard_records=4,
-                        batch_size=3, top_k=3, progress=False)
+                        batch_size=3, progress=False)
     assert sorted(p.name for p in tmp_path.glob("shard-*")) == [shard_name(i) for i in range(3)]
     write_index(tmp_path)
     cache = FeatureCache(tmp_path)
@@ -40,11 +40,11 @@ def test_cache_round_trip_matches_the_target(tmp_path):
     row = rows[7]
     record = cache.by_id(row["id"])
     ids = torch.tensor([row["input_ids"]])
-    expected = target.features(ids, layers=(1, -1), return_logits=True)
+    expected = target.features(ids, layers=(1, -1))
     assert record["input_ids"].tolist() == row["input_ids"] and record["loss_mask"].tolist() == row["loss_mask"]
     torch.testing.assert_close(record["hidden"][-1], expected.hidden[target.num_layers][0], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(record["hidden"][1], expected.hidden[1][0], rtol=1e-5, atol=1e-5)
-    assert record["topk_indices"].tolist() == expected.logits[0].topk(3, dim=-1).indices.tolist()
+    assert set(record) == {"id", "input_ids", "loss_mask", "hidden"}
 
 
 def test_progress_counts_records_per_batch(tmp_path, monkeypatch):
@@ -200,3 +200,15 @@ def test_an_aux_layer_cache_serves_what_the_target_gives_online(tmp_path):
         OfflineFeatures(cache, [1, -1])
     with pytest.raises(ValueError, match="layers"):  # a cache of other layers is refused, not mixed
         write_feature_cache(tmp_path, target, rows, layers=[-1], dtype="float32", shard_records=2, progress=False)
+
+
+def test_a_cache_recorded_with_the_old_zero_top_k_field_still_resumes(tmp_path):
+    target, rows = tiny_target(), _rows(6)
+    write_feature_cache(tmp_path, target, rows, dtype="float32", shard_records=4, progress=False)
+    spec = json.loads((tmp_path / "spec.json").read_text())
+    (tmp_path / "spec.json").write_text(json.dumps({**spec, "top_k": 0}))
+    done = write_feature_cache(tmp_path, target, rows, dtype="float32", shard_records=4, progress=False)
+    assert done["written"] == [] and len(done["skipped"]) == 2
+    (tmp_path / "spec.json").write_text(json.dumps({**spec, "top_k": 3}))
+    with pytest.raises(ValueError, match="different spec"):
+        write_feature_cache(tmp_path, target, rows, dtype="float32", shard_records=4, progress=False)
