@@ -24,6 +24,7 @@ from torch import nn
 from eval import linear_paths, placement
 from eval.config import RuntimeConfig
 from eval.model import LeanLlama
+from eval.timing import cpu_info
 
 log = logging.getLogger(__name__)
 
@@ -33,14 +34,7 @@ BF16_FLAGS = ("avx512_bf16", "amx_bf16")
 
 def cpu_flags() -> set[str]:
     """The CPU's feature flags from /proc/cpuinfo (empty where there is none)."""
-    try:
-        with open("/proc/cpuinfo") as handle:
-            for line in handle:
-                if line.startswith("flags"):
-                    return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()
+    return cpu_info()[1]
 
 
 def dtype_name(dtype: torch.dtype) -> str:

@@ -68,9 +68,9 @@ def measured_on(device) -> dict:
     return {"device_type": device.type, "hardware": f"CPU {cpu_description()}, {torch.get_num_threads()} threads"}
 
 
-def cpu_description() -> str:
-    """The CPU's model name and the vector ISA torch's kernels use on it, e.g. 'AMD EPYC (AVX2)' or
-    'Intel Xeon ... (AVX512, AMX)': verification cost differs by ISA, so every timing names it."""
+def cpu_info() -> tuple[str, set[str]]:
+    """(the CPU's model name, its feature flags) from /proc/cpuinfo; the name falls back to the
+    platform's, the flags to an empty set where there is no such file."""
     import platform
 
     name, flags = "", set()
@@ -83,5 +83,12 @@ def cpu_description() -> str:
                     flags = set(line.split(":", 1)[1].split())
     except OSError:
         pass
+    return name or platform.processor() or platform.machine() or "unknown CPU", flags
+
+
+def cpu_description() -> str:
+    """The CPU's model name and the vector ISA torch's kernels use on it, e.g. 'AMD EPYC (AVX2)' or
+    'Intel Xeon ... (AVX512, AMX)': verification cost differs by ISA, so every timing names it."""
+    name, flags = cpu_info()
     extras = [torch.backends.cpu.get_cpu_capability()] + (["AMX"] if "amx_tile" in flags else [])
-    return f"{name or platform.processor() or platform.machine()} ({', '.join(extras)})"
+    return f"{name} ({', '.join(extras)})"

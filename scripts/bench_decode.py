@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import tempfile
 import time
 
@@ -34,14 +33,9 @@ CURVE_SIZES = (1, 2, 4, 8, 16, 32, 64)
 
 
 def cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as handle:
-            for line in handle:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
+    from eval.timing import cpu_info
+
+    return cpu_info()[0]
 
 
 def bandwidth(megabytes: int = 1024, repeats: int = 5) -> dict:

@@ -22,7 +22,6 @@ import argparse
 import hashlib
 import json
 import os
-import platform
 import re
 import shutil
 import tempfile
@@ -199,11 +198,9 @@ def make_slice(target, path: Path = SLICE, train: int = SLICE_TRAIN, held_out: i
 
 
 def cpu_name() -> str:
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-        return next(line.split(":", 1)[1].strip() for line in lines if line.startswith("model name"))
-    except (OSError, StopIteration):
-        return platform.processor() or platform.machine()
+    from eval.timing import cpu_info
+
+    return cpu_info()[0]
 
 
 def _load_target():
