@@ -49,16 +49,12 @@ def run_figures(run_dir: Path) -> dict | None:
     sources = [p for p in (run_dir / "job_summary.json", run_dir / "result.json", run_dir / "eval" / "report.json")
                if p.is_file()]
     held_out = train.get("final_eval") or {}
-    top1 = [held_out[k] for k in sorted((k for k in held_out if k.startswith("eval/top1_")),
-                                        key=lambda k: int(re.search(r"(\d+)$", k).group(1)))]
-    methods = [row for row in report.get("drafters", []) if not row.get("sweep")]
-    best, own = _fastest(methods), _fastest([row for row in methods if row["name"].startswith(HEAD_DRAFTERS)])
     return {
         "recipe": summary.get("recipe") or train.get("recipe") or run_dir.name,
         "run": str(run_dir), "written": max(p.stat().st_mtime for p in sources),
         "steps": train.get("steps"), "stopped": train.get("stopped"),
-        "top1": top1[0] if top1 else None, "tau_estimate": held_out.get("eval/acceptance_length"),
-        "method": _method(best), "head_method": _method(own),
+        "top1": _first_top1(held_out), "tau_estimate": held_out.get("eval/acceptance_length"),
+        **_methods([row for row in report.get("drafters", []) if not row.get("sweep")]),
         # a re-run of later stages only (e.g. stages=[data,eval,export]) is not the job's time
         "minutes": summary["wall_seconds"] / 60 if "wall_seconds" in summary and "train" in summary else None,
         "hardware": train.get("hardware") or summary.get("hardware"),
@@ -73,17 +69,28 @@ def release_figures(manifest_path: Path) -> dict | None:
         return None
     held_out = training.get("held_out") or {}
     measured = manifest.get("eval") or {}
-    methods = [{"name": name, **row} for name, row in measured.items() if isinstance(row, dict) and "tau" in row]
-    best, own = _fastest(methods), _fastest([row for row in methods if row["name"].startswith(HEAD_DRAFTERS)])
     created = manifest.get("created_utc")
     written = (calendar.timegm(time.strptime(created, "%Y-%m-%dT%H:%M:%SZ")) if created
                else manifest_path.stat().st_mtime)
     return {
         "recipe": training["recipe"], "run": f"{manifest_path.parent} (release head)", "written": written,
-        "steps": training.get("steps"), "stopped": "release head", "top1": held_out.get("eval/top1_step0"),
-        "tau_estimate": held_out.get("eval/acceptance_length"), "method": _method(best), "head_method": _method(own),
+        "steps": training.get("steps"), "stopped": "release head", "top1": _first_top1(held_out),
+        "tau_estimate": held_out.get("eval/acceptance_length"),
+        **_methods([{"name": name, **row} for name, row in measured.items() if isinstance(row, dict) and "tau" in row]),
         "minutes": None, "hardware": measured.get("hardware") or training.get("hardware"),
     }
+
+
+def _first_top1(held_out: dict) -> float | None:
+    """Held-out top-1 of the first draft step (EAGLE: eval/top1_step0) or head (Medusa: eval/top1_head0)."""
+    keys = sorted((k for k in held_out if k.startswith("eval/top1_")), key=lambda k: int(re.search(r"(\d+)$", k).group(1)))
+    return held_out[keys[0]] if keys else None
+
+
+def _methods(rows: list[dict]) -> dict:
+    """The fastest speculative method of eval `rows`, and the fastest that runs the trained head."""
+    own = [row for row in rows if row["name"].startswith(HEAD_DRAFTERS)]
+    return {"method": _method(_fastest(rows)), "head_method": _method(_fastest(own))}
 
 
 def _fastest(rows: list[dict]) -> dict | None:
