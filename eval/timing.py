@@ -65,7 +65,12 @@ def measured_on(device) -> dict:
     device = torch.device(device if device is not None else "cpu")
     if device.type == "cuda":
         return {"device_type": "cuda", "hardware": torch.cuda.get_device_name(device)}
-    return {"device_type": device.type, "hardware": f"CPU {cpu_description()}, {torch.get_num_threads()} threads"}
+    return {"device_type": device.type, "hardware": cpu_hardware()}
+
+
+def cpu_hardware() -> str:
+    """'CPU <model> (<ISA>), <n> threads': how timings taken on the CPU name their hardware."""
+    return f"CPU {cpu_description()}, {torch.get_num_threads()} threads"
 
 
 def cpu_info() -> tuple[str, set[str]]:

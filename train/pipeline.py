@@ -28,9 +28,9 @@ NO_LOGGER = LoggerConfig(kind="none")  # processes other than the main one log n
 def hardware() -> str:
     if torch.cuda.is_available():
         return f"{torch.cuda.get_device_name()} x{torch.cuda.device_count()}"
-    from eval.timing import cpu_description
+    from eval.timing import cpu_hardware
 
-    return f"CPU {cpu_description()}, {torch.get_num_threads()} threads"
+    return cpu_hardware()
 
 
 def check_arch(job: JobConfig, target: FrozenTarget) -> None:
