@@ -78,6 +78,17 @@ def eagle_unroll(head: nn.Module, parts: FrozenParts, ids: torch.Tensor, feature
     return outputs
 
 
+def _kept(truths: list | None, index: int, compute):
+    """truths[index] when an earlier evaluation of the batch kept it, else compute() (kept in truths
+    when a list is given: indices are asked for in order)."""
+    if truths is not None and len(truths) > index:
+        return truths[index]
+    value = compute()
+    if truths is not None:
+        truths.append(value)
+    return value
+
+
 @torch.no_grad()
 def eagle_eval_counts(head: nn.Module, parts: FrozenParts, batch: dict, features: torch.Tensor,
                       steps: int, truths: list | None = None) -> torch.Tensor:
@@ -88,12 +99,7 @@ def eagle_eval_counts(head: nn.Module, parts: FrozenParts, batch: dict, features
     base_mask = eagle_position_mask(batch["loss_mask"], batch["attention_mask"])  # (B, n)
     for j, predicted in enumerate(eagle_unroll(head, parts, ids, features, steps)):
         valid = shift_left(base_mask, j)  # chain t at step j predicts the token after position t+1+j
-        if truths is None or len(truths) <= j:
-            truth = _greedy(shift_left(features[:, 1:], j)[valid], parts.lm_head_weight)  # argmax at f_{t+1+j}
-            if truths is not None:
-                truths.append(truth)
-        else:
-            truth = truths[j]
+        truth = _kept(truths, j, lambda: _greedy(shift_left(features[:, 1:], j)[valid], parts.lm_head_weight))
         _count(counts, j, F.linear(predicted[valid], parts.lm_head_weight), truth)
     return counts
 
@@ -109,12 +115,7 @@ def eagle3_eval_counts(head: nn.Module, parts: FrozenParts, batch: dict, feature
     counts = torch.zeros(steps, 3, device=ids.device)
     aux, final = split_features(features, len(module.config.aux_layer_ids))
     base_mask = eagle_position_mask(batch["loss_mask"], batch["attention_mask"])  # (B, n)
-    if truths:
-        greedy = truths[0]
-    else:
-        greedy = _greedy(final[:, 1:][base_mask], parts.lm_head_weight)  # (N,) argmax at f_{t+1}
-        if truths is not None:
-            truths.append(greedy)
+    greedy = _kept(truths, 0, lambda: _greedy(final[:, 1:][base_mask], parts.lm_head_weight))  # (N,) argmax at f_{t+1}
     row_of = row_index(base_mask)  # (B, n)
     for j, chains, out, valid in ttt_unroll(head, parts, ids, module.project(aux[:, :-1]), steps, base_mask):
         truth = greedy[shift_left(row_of, j).gather(1, chains)[valid]]  # argmax at f_{t+1+j}
@@ -125,25 +126,25 @@ def eagle3_eval_counts(head: nn.Module, parts: FrozenParts, batch: dict, feature
     return counts
 
 
+def _ahead(features: torch.Tensor, k: int) -> torch.Tensor:
+    """(B, T, D) features with entry t = f_{t+k}, zeros where t + k >= T (k may exceed T)."""
+    out = torch.zeros_like(features)
+    if k < features.shape[1]:
+        out[:, : features.shape[1] - k] = features[:, k:]
+    return out
+
+
 @torch.no_grad()
 def medusa_eval_counts(heads: nn.Module, parts: FrozenParts, batch: dict, features: torch.Tensor,
                        truths: list | None = None) -> torch.Tensor:
     """(K, 3) float counts of [top-1 hits, top-5 hits, positions] for one batch (`truths`: as for EAGLE)."""
     module = getattr(heads, "module", heads)
     hidden = heads(features)  # (K, B, T, D)
-    K, T = hidden.shape[0], features.shape[1]
+    K = hidden.shape[0]
     counts = torch.zeros(K, 3, device=features.device)
     for k in range(K):
         valid = medusa_position_mask(batch["loss_mask"], k, batch["attention_mask"])  # (B, T)
-        if truths is None or len(truths) <= k:
-            truth_features = torch.zeros_like(features)  # f_{t+k+1}
-            if k + 1 < T:
-                truth_features[:, : T - (k + 1)] = features[:, k + 1:]
-            truth = _greedy(truth_features[valid], parts.lm_head_weight)
-            if truths is not None:
-                truths.append(truth)
-        else:
-            truth = truths[k]
+        truth = _kept(truths, k, lambda: _greedy(_ahead(features, k + 1)[valid], parts.lm_head_weight))
         weight = module.lm_head_weight(k, parts.lm_head_weight)
         _count(counts, k, F.linear(hidden[k][valid], weight), truth)
     return counts
