@@ -315,6 +315,15 @@ class LeanLlama(nn.Module):
     def is_split(self) -> bool:
         return len(set(self.keys)) > 1
 
+    def placement(self) -> dict:
+        """Where each run of decoder layers and the head compute, for the report: a split target's
+        record of its devices (`key` is the device map's name for one)."""
+        runs = [*self.stages, self.head_stage]
+        return {"split": self.is_split, "boundaries": sum(s.cross for s in runs),
+                "stages": [{"layers": "head" if s is self.head_stage else [s.start, s.end],
+                            "key": str(self.keys[-1] if s is self.head_stage else self.keys[1 + s.start]),
+                            "device": str(s.device)} for s in runs]}
+
     @classmethod
     @torch.no_grad()
     def from_hf(cls, hf_model: nn.Module, max_seq_len: int = 2048, attention: str = "auto",

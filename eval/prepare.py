@@ -210,7 +210,7 @@ def finish(built: Mapping[str, Candidate], curves: Mapping[str, Mapping[int, flo
         dtype_report.update(verify_size=step, decode_plus_verify_ms={k: 1e3 * v for k, v in costs.items()})
         log.info("runtime dtype %s: decode + verify(%d) %s", chosen, step,
                  {k: f"{1e3 * v:.1f} ms" for k, v in costs.items()})
-    fields = {"dtype": dtype_report, "weights": candidate.lean.weights_note}
+    fields = {"dtype": dtype_report, "weights": candidate.lean.weights_note, "placement": candidate.lean.placement()}
     if curves:
         paths_report = {name: c.paths for name, c in built.items() if c.paths}
         fields["linear_paths"] = {

@@ -66,6 +66,7 @@ def markdown_table(report: dict) -> str:
                          + " | ".join(_fmt(v) for v in values) + " |")
     lines += _budget_lines(report.get("eagle_tree_budget"))
     lines += _runtime_lines(report.get("dtype"), report.get("linear_paths"))
+    lines += _placement_lines(report.get("placement"), report.get("weights"))
     lines += ["", "Notes:", ""] + [f"- {note}" for note in report.get("notes", [])]
     mismatched = [r["name"] for r in report["drafters"] if r.get("greedy_identical") is False]
     if mismatched:
@@ -93,6 +94,19 @@ def _budget_lines(budget: dict | None) -> list[str]:
 
 def _depth_rows(report: dict) -> list[dict]:
     return [r for r in report["drafters"] if r.get("acceptance_per_depth") and not r["sweep"]]
+
+
+def _placement_lines(placement: dict | None, weights: str | None) -> list[str]:
+    """A split target's devices, one run of layers each (nothing for a target in one piece)."""
+    if not placement or not placement["split"]:
+        return []
+    def layers(run) -> str:
+        if run == "head":
+            return "the head"
+        return f"layer {run[0]}" if run[1] == run[0] + 1 else f"layers {run[0]}-{run[1] - 1}"
+
+    runs = ", ".join(f"{layers(s['layers'])} on {s['key']} ({s['device']})" for s in placement["stages"])
+    return ["", f"Target split across devices ({placement['boundaries']} boundaries): {runs}; {weights or ''}."]
 
 
 def _runtime_lines(dtype: dict | None, paths: dict | None) -> list[str]:

@@ -91,6 +91,10 @@ def test_split_eval_gives_plain_greedy_tokens_with_an_eagle_head(tmp_path, moves
         assert row["greedy_identical"] is True, row["name"]
     assert report["baselines"]["transformers"]["greedy_identical"] is True  # the fused views compute as before
     assert "split across devices" in report["weights"] and report["dtype"]["chosen"] == "float32"
+    assert report["placement"]["boundaries"] == BOUNDARIES
+    assert [(s["layers"], s["key"]) for s in report["placement"]["stages"]] == [
+        ([0, 1], "cpu:0"), ([1, 3], "cpu:1"), ([3, 4], "cpu:2"), ("head", "cpu:3")]
+    assert f"Target split across devices ({BOUNDARIES} boundaries): layer 0 on cpu:0 (cpu), layers 1-2 on cpu:1" in (tmp_path / "report.md").read_text()
     chosen = report["linear_paths"]["by_dtype"]["float32"]["chosen"]
     assert {path for plan in chosen.values() for path in plan.values()} <= {"linear", "tall"}
     assert moves and sum(_storages(target.model).values()) == sum(before.values())  # fused in place, not doubled

@@ -1,6 +1,7 @@
-"""A whole job (data -> train -> eval -> export) under a 2-process gloo launch: eval and export
-run once, on rank 0, while rank 1 waits; both ranks exit 0; and the export is byte for byte what
-one process exports from the same run folder."""
+"""A whole job (data -> train -> eval -> export) on a layer-split target under a 2-process gloo
+launch: eval and export run once, on rank 0, while rank 1 waits; both ranks exit 0; the eval ran
+the split forward (its report records the devices); and the export is byte for byte what one
+process exports from the same run folder."""
 from __future__ import annotations
 
 import json
@@ -36,16 +37,22 @@ def _without_created(raw: bytes) -> dict:
     return manifest
 
 
-@pytest.mark.slow  # ~2 minutes on a loaded 2-core machine; the default run has test_main_process_stage_*
+@pytest.mark.slow  # 40 s on an idle 2-core machine, 2 min loaded; the default run has test_main_process_stage_*
 @pytest.mark.integration
-def test_eval_and_export_run_once_on_rank_zero(tiny_chat_model, tmp_path):
-    common = [str(tiny_chat_model), str(tmp_path), "run", *STAGES]
+def test_a_split_target_job_runs_eval_and_export_once_on_rank_zero(tiny_chat_model, tmp_path):
+    common = ["--split", str(tiny_chat_model), str(tmp_path), "run", *STAGES]
     two = _launch(2, common, tmp_path)
     assert two.returncode == 0, two.stdout[-3000:] + two.stderr[-3000:]  # torchrun: every rank exited 0
     assert "rank 1 waits for rank 0's eval and export" in two.stderr
     assert two.stdout.count("== ") == 1  # one final summary: rank 0's
     run = tmp_path / "run"
     assert sorted(p.name for p in (run / "eval").iterdir() if "report" in p.name) == ["report.json", "report.md"]
+    report = json.loads((run / "eval" / "report.json").read_text())
+    assert report["placement"]["split"] and report["placement"]["boundaries"] == 2, report["placement"]
+    assert [s["key"] for s in report["placement"]["stages"]] == ["cpu:0", "cpu:1", "cpu:2"]
+    assert "split across devices" in report["weights"]
+    assert all(row["greedy_identical"] for row in report["drafters"])
+    assert "Target split across devices (2 boundaries)" in (run / "eval" / "report.md").read_text()
     export = run / "export"
     assert sorted(p.name for p in export.iterdir()) == ["eagle", "eagle_vllm", "native"]  # no leftovers
     summary = json.loads((run / "job_summary.json").read_text())
