@@ -108,6 +108,9 @@ def run_job(job: JobConfig) -> dict:
         summary["data"] = prepared.stats
         _log_dataset(job, run_dir, data_source)
 
+    if "eval" in job.stages and {"data", "train", "features"} & set(job.stages):
+        _check_eval_prompts(job, target)  # before any training time is spent
+
     source = None
     if job.data.mode == "offline" and {"train", "features"} & set(job.stages):
         from train.offline import offline_source
@@ -140,6 +143,19 @@ def run_job(job: JobConfig) -> dict:
         _write_json(run_dir / "job_summary.json", {**earlier, **summary})
         print(_final_lines(summary))
     return summary
+
+
+def _check_eval_prompts(job: JobConfig, target: FrozenTarget) -> None:
+    """Refuse a job whose eval stage would find no prompt, before it trains (a prompts file with
+    a bad line is named by its reader here too)."""
+    from eval.stage import eval_prompt_ids
+
+    if not eval_prompt_ids(dataclasses.replace(job.runtime, num_prompts=1), job.data, target.tokenizer):
+        raise ValueError(
+            f"the eval stage would have no prompt: the held-out side of {job.data.source} (data.eval_fraction="
+            f"{job.data.eval_fraction}, data.split_seed={job.data.split_seed}) holds no conversation whose prompt "
+            f"fits runtime.max_prompt_tokens={job.runtime.max_prompt_tokens}; raise data.eval_fraction, give "
+            "runtime.prompts_file, or leave eval out of stages")
 
 
 def _eval_and_export(job: JobConfig, target: FrozenTarget, checkpoint: Path, run_dir: Path, prepared,

@@ -41,6 +41,24 @@ def test_job_runs_every_stage(tiny_chat_model, tmp_path):
     assert resumed["train"]["steps"] == 1
 
 
+def test_a_job_whose_eval_would_have_no_prompt_is_refused_before_training(tiny_chat_model, tmp_path):
+    # 24 conversations, 2% held out: the split holds none of them back
+    job = pipeline_job(tiny_chat_model, tmp_path, "run", 2, "data.eval_fraction=0.02")
+    with pytest.raises(ValueError, match=r"eval stage would have no prompt: the held-out side of .*data.jsonl"):
+        run_job(job)
+    assert not list((tmp_path / "run").glob("checkpoint*")), "it trained before refusing"
+    # without the eval stage, or with prompts of its own, the same split is a job
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "Count from 3."}\n')
+    with_prompts = pipeline_job(tiny_chat_model, tmp_path, "run", 1, "data.eval_fraction=0.02", "stages=[data,eval]",
+                                f"runtime.prompts_file={prompts}")
+    from train.pipeline import _check_eval_prompts, load_job_target
+
+    _check_eval_prompts(with_prompts, load_job_target(with_prompts))
+    assert "train" in run_job(pipeline_job(tiny_chat_model, tmp_path, "run", 1, "data.eval_fraction=0.02",
+                                           "stages=[data,train]"))
+
+
 @pytest.mark.integration
 @pytest.mark.parametrize("batch_size", [1, 4])  # 1: the lean runtime; 4: transformers' batched generate
 def test_self_distilled_offline_job(tiny_chat_model, tmp_path, batch_size):
