@@ -18,7 +18,6 @@ must not exist (nothing is replaced).
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import logging
 import sys
@@ -32,15 +31,12 @@ def count_vocab(recipe: str, overrides: list[str]):
     from data.pipeline import prepare_data
     from train.__main__ import compose_job
     from train.objectives import frequent_reply_tokens
-    from train.pipeline import load_job_target
+    from train.pipeline import load_job_target, on_regenerated_data
 
     job = compose_job([f"+recipe={recipe}", *overrides])
     target = load_job_target(job)
     if job.data.regenerate.enabled:
-        from train.selfdistill import regenerate_data
-
-        regenerated = regenerate_data(job, target, None)
-        job = dataclasses.replace(job, data=dataclasses.replace(job.data, source=str(regenerated), format="jsonl"))
+        job = on_regenerated_data(job, target)[0]
     prepared = prepare_data(job.data, target.tokenizer)
     return frequent_reply_tokens(prepared.train, job.heads.draft_vocab_size, target.vocab_size), job, target
 

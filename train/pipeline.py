@@ -89,13 +89,8 @@ def run_job(job: JobConfig) -> dict:
                      "hardware": hardware()}
 
     if "regenerate" in job.stages or job.data.regenerate.enabled:
-        from train.selfdistill import describe_regenerated, regenerate_data
-
-        lean = _lean_generate_fn(job, target) if job.data.regenerate.batch_size == 1 else None
-        regenerated = regenerate_data(job, target, lean)  # None: transformers' batched generate
+        job, regenerated, data_source = on_regenerated_data(job, target)
         summary["regenerated"] = str(regenerated)
-        data_source = describe_regenerated(job)
-        job = dataclasses.replace(job, data=dataclasses.replace(job.data, source=str(regenerated), format="jsonl"))
     else:
         data_source = job.data.source if job.data.max_records is None else \
             f"{job.data.source}, data.max_records={job.data.max_records}"
@@ -143,6 +138,17 @@ def run_job(job: JobConfig) -> dict:
         _write_json(run_dir / "job_summary.json", {**earlier, **summary})
         print(_final_lines(summary))
     return summary
+
+
+def on_regenerated_data(job: JobConfig, target: FrozenTarget) -> tuple[JobConfig, Path, str]:
+    """Self-distillation: the target's replies regenerated (or found, shard by shard), and the job
+    reading them. Returns (that job, the regenerated JSONL, a description of the data for lineage)."""
+    from train.selfdistill import describe_regenerated, regenerate_data
+
+    lean = _lean_generate_fn(job, target) if job.data.regenerate.batch_size == 1 else None
+    regenerated = regenerate_data(job, target, lean)  # None: transformers' batched generate
+    data = dataclasses.replace(job.data, source=str(regenerated), format="jsonl")
+    return dataclasses.replace(job, data=data), regenerated, describe_regenerated(job)
 
 
 def _check_eval_prompts(job: JobConfig, target: FrozenTarget) -> None:
