@@ -274,6 +274,10 @@ def _eval_figures(summary: dict) -> dict:
     for row in report.get("drafters", []):
         figures[row["name"]] = {key: row.get(key) for key in
                                 ("tau", "tokens_per_second", "speedup_vs_plain", "speedup_vs_transformers")}
+    if report.get("batch_sweep"):  # a batch-size sweep: per batch size, each drafter against plain
+        figures["batch_sweep"] = {
+            str(row["batch_size"]): {name: {key: f.get(key) for key in ("tau", "tokens_per_second", "speedup_vs_plain")}
+                                     for name, f in row["methods"].items()} for row in report["batch_sweep"]["rows"]}
     return figures
 
 
@@ -291,6 +295,10 @@ def _final_lines(summary: dict) -> str:
         lines.append(f"eval {row['name']}: tau {row.get('tau', float('nan')):.2f}, "
                      f"{row.get('speedup_vs_plain') or float('nan'):.2f}x plain, "
                      f"{row.get('speedup_vs_transformers') or float('nan'):.2f}x transformers generate")
+    for row in ((summary.get("eval") or {}).get("batch_sweep") or {}).get("rows", []):
+        lines.append(f"eval batch {row['batch_size']}: " + ", ".join(
+            f"{name} tau {f['tau']:.2f}, {f['speedup_vs_plain']:.2f}x plain"
+            for name, f in row["methods"].items() if f.get("speedup_vs_plain") is not None and f.get("tau")))
     if "export" in summary:
         lines.append("export: " + ", ".join(f"{k} -> {v}" for k, v in summary["export"].items()))
     return "\n".join(lines)

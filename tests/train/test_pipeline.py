@@ -93,3 +93,27 @@ def test_eagle3_job_runs_every_stage(tiny_chat_model, tmp_path):
         validate_export(folder)
     config = json.loads((tmp_path / "run" / "export" / "native" / "head_config.json").read_text())
     assert config["type"] == "eagle3" and config["config"]["draft_vocab_size"] == 512
+
+
+@pytest.mark.integration
+def test_a_job_with_a_batch_sweep_exports_its_policy(tiny_chat_model, tmp_path, capsys):
+    """runtime.batch_sizes in a job: the eval stage sweeps batch sizes, the job summary keeps its
+    figures and the export's manifest carries the speculation policy per batch size."""
+    job = pipeline_job(tiny_chat_model, tmp_path, "run", 2, "runtime.drafters=[eagle_tree]", "runtime.tree_sweep=[]",
+                       "runtime.tree_total_tokens=4", "runtime.num_prompts=2", "runtime.max_new_tokens=4", "runtime.compare_transformers=false",
+                       "runtime.batch_sizes=[1,2]", "export.formats=[native,eagle]")
+    summary = run_job(job)
+    sweep = summary["eval"]["batch_sweep"]
+    assert sweep and summary["eval"]["speculation_policy"]["family"]
+    policy = summary["eval"]["recommended_runtime"]["batch_policy"]
+    manifest = json.loads((tmp_path / "run" / "export" / "eagle" / "specheads.json").read_text())
+    exported = dict(manifest["runtime"]["batch_policy"])
+    assert "NOT GPU serving advice" in exported.pop("advice")  # timed on this CPU, and labelled so
+    assert exported == policy
+    assert exported["measured_on"]["hardware"].startswith("CPU ")
+    figures = manifest["eval"]["batch_sweep"]
+    assert sorted(figures) == ["1", "2"] and figures["2"]["eagle_tree"]["tau"] == sweep["rows"][1]["methods"]["eagle_tree"]["tau"]
+    out = capsys.readouterr().out
+    assert "eval batch 1: eagle_tree tau" in out and "eval batch 2: eagle_tree tau" in out
+    kept = json.loads((tmp_path / "run" / "job_summary.json").read_text())
+    assert kept["eval"]["batch_sweep"] == sweep
