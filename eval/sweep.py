@@ -18,6 +18,7 @@ from typing import Callable, Sequence
 import torch
 
 from eval.batch_generate import BatchDecoder, batch_generate, time_per_output_token
+from eval.divergence import classify
 from eval.drafters import Drafter
 from eval.generate import GenerationResult
 from eval.model import LeanLlama
@@ -132,6 +133,9 @@ def batch_sweep(lean: LeanLlama, methods: Sequence[SweepMethod], prompts: Sequen
             if sampling.greedy:  # every method at every batch size against plain at the first one
                 row["greedy_identical"] = all(r.tokens == reference[i % len(prompts)]
                                               for i, r in enumerate(results[method.name]))
+                if not row["greedy_identical"]:  # rounding near-tie or a bug: eval.divergence tells
+                    row.update(classify(lean, prompts, [reference[i] for i in range(len(prompts))],
+                                        [r.tokens for r in results[method.name]]))
             if method.build is not None:
                 row["speedup_vs_plain"] = row["tokens_per_second"] / plain["tokens_per_second"]
                 if plain["step_ms"] and row["step_ms"]:
@@ -172,6 +176,13 @@ def sweep_policy(sweep: dict, methods: Sequence[SweepMethod], measured_on: dict 
     return choose_policy(family, plain, points, {m.size: m.draft_length for m in members}, measured_on)
 
 
+def _identical(figures: dict) -> str:
+    value = figures.get("greedy_identical")
+    if value is False and figures.get("greedy_identical_up_to_ties"):
+        return "near-ties"
+    return "–" if value is None else str(value)
+
+
 def markdown(sweep: dict) -> str:
     """The sweep as two tables (throughput, latency) and the crossover."""
     lines = ["## Batch-size sweep", "",
@@ -183,7 +194,7 @@ def markdown(sweep: dict) -> str:
                          f"{_fmt(f.get('speedup_vs_plain'))} | {_fmt(f.get('tau'))} | "
                          f"{_fmt(f.get('draft_tokens_per_sequence'), 1)} | {_fmt(f['step_ms'], 1)} | "
                          f"{_fmt(f.get('verify_cost_in_plain_steps'))} | {_fmt(f.get('break_even_tau'))} | "
-                         f"{f.get('greedy_identical', '–')} |")
+                         f"{_identical(f)} |")
     lines += ["", "| batch | method | TTFT p50 / p99 ms | TPOT p50 / p99 ms | end-to-end p50 / p99 ms |",
               "| --- " * 5 + "|"]
     for row in sweep["rows"]:

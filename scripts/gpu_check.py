@@ -122,9 +122,12 @@ def step_eval_release(work: Path) -> dict:
         return {"ok": False, "tail": (run.stdout + run.stderr)[-1500:]}
     report = json.loads((out / "report.json").read_text())
     rows = {row["name"]: {key: row.get(key) for key in ("tau", "tokens_per_second", "speedup_vs_plain",
-                                                        "speedup_vs_transformers", "greedy_identical")}
+                                                        "speedup_vs_transformers", "greedy_identical",
+                                                        "greedy_identical_up_to_ties", "greedy_divergences")}
             for row in report["drafters"]}
-    return {"ok": all(row["greedy_identical"] is not False for row in rows.values()),
+    # bf16 on a GPU may leave plain decoding at rounding near-ties (eval.divergence); anything else fails
+    return {"ok": all(row["greedy_identical"] is not False or row["greedy_identical_up_to_ties"]
+                      for row in rows.values()),
             "measured_on": report.get("measured_on"), "drafters": rows,
             "recommended_runtime": report.get("recommended_runtime")}
 
