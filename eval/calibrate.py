@@ -84,8 +84,9 @@ def choose_tree_budget(verify_seconds: dict[int, float], accepted: dict[int, flo
 def eagle_tree_budget(head, lean: LeanLlama, runtime: RuntimeConfig, prompts, eos, draft_vocab,
                       progress: bool = False) -> tuple[int, dict]:
     """runtime.tree_total_tokens "auto": the budget from the measured verification-cost curve of
-    this machine and the head's teacher-forced acceptance per budget on calibration prompts
-    (`progress`: bars over the calibration prompts)."""
+    this machine and the head's teacher-forced acceptance per budget on calibration prompts, taken
+    over the steps a greedy run with that budget would take (`measure_tree_acceptance`;
+    `progress`: bars over the calibration prompts)."""
     budgets = sorted(set(runtime.tree_auto_sizes))
     if not budgets or budgets[0] < 2:
         raise ValueError(f"runtime.tree_auto_sizes must be total_tokens budgets >= 2, got {runtime.tree_auto_sizes}")
@@ -110,6 +111,8 @@ def eagle_tree_budget(head, lean: LeanLlama, runtime: RuntimeConfig, prompts, eo
         "verify_cost_in_plain_steps": {n: costs[n] / costs[1] for n in costs},
         "draft_cost_in_plain_steps": {n: draft[n] / costs[1] for n in budgets},
         "expected_tau_by_size": {n: 1.0 + a for n, a in measured["accepted"].items()},
+        "steps_by_size": measured["steps"],
+        "tau_over_every_position_by_size": {n: 1.0 + a for n, a in measured["accepted_per_position"].items()},
         "tokens_per_plain_step_by_size": values,
     }
 

@@ -27,7 +27,6 @@ the EAGLE-2 rule when sampling).
 """
 from __future__ import annotations
 
-import time
 from typing import Sequence
 
 import torch
@@ -36,6 +35,7 @@ from eval.drafters import Candidates, DraftState
 from eval.drafters.lean_head import LeanEagleHead
 from eval.model import LeanLlama
 from eval.sampling import SamplingConfig, probabilities, sample
+from eval.timing import device_clock, module_device
 from heads.eagle import EagleHead
 from heads.eagle3 import Eagle3Head
 
@@ -237,6 +237,18 @@ def greedy_accepted(candidates: Candidates, truth: list[int]) -> int:
     return accepted
 
 
+def walk_acceptance(accepted: Sequence[int]) -> list[int]:
+    """The steps a greedy speculative run takes over positions whose teacher-forced acceptance is
+    `accepted` (accepted[i]: drafts accepted with the root at the i-th generated position): each
+    step starts where the previous one's accepted drafts and bonus token end. Returns the
+    accepted count of each step taken."""
+    steps, position = [], 0
+    while position < len(accepted):
+        steps.append(accepted[position])
+        position += accepted[position] + 1
+    return steps
+
+
 @torch.no_grad()
 def measure_tree_acceptance(drafter: EagleDrafter, sequences: Sequence[torch.Tensor], prompt_lengths: Sequence[int],
                             budgets: Sequence[int]) -> dict:
@@ -245,31 +257,48 @@ def measure_tree_acceptance(drafter: EagleDrafter, sequences: Sequence[torch.Ten
     settings (its total_tokens should be max(budgets)), the tree each total_tokens budget keeps
     (`select_tree`: a smaller tree is the score-order prefix of a larger one) and how many of its
     drafts greedy verification would accept.
-    Returns {"accepted": {budget: mean accepted drafts}, "catch_up_seconds", "expand_seconds"
-    (means per position), "levels" (expansion depth), "positions"}."""
+
+    The mean over every position overstates what a run commits per step: a run spends one step on
+    each hard position but skips over easy ones in a few long steps. So "accepted" is the mean over
+    the steps a greedy run with each budget takes (`walk_acceptance`), which are exactly the
+    runtime's steps; "accepted_per_position" keeps the plain mean.
+    Returns {"accepted": {budget: mean accepted drafts per step}, "accepted_per_position",
+    "steps" ({budget: steps walked}), "catch_up_seconds", "expand_seconds" (means per position,
+    timed on the target's device clock), "levels" (expansion depth), "positions"}."""
     num_layers = drafter.lean.config.num_layers
     layers = sorted({layer % (num_layers + 1) for layer in drafter.feature_layers})
     levels = min(drafter.depth, drafter.total_tokens - 1)
-    totals = {budget: 0 for budget in budgets}
+    per_position = {budget: [] for budget in budgets}
+    walked = {budget: [] for budget in budgets}
     catch_up_seconds = expand_seconds = 0.0
-    positions = 0
+    clock = device_clock(module_device(drafter.lean))
     for sequence, prompt_length in zip(sequences, prompt_lengths):
         cache = drafter.lean.new_cache(sequence.shape[0])
         features = drafter.lean(sequence, cache, hidden_layers=layers, logits="none").hidden  # {layer: (T, D)}
         drafter.reset(sequence)
+        accepted = {budget: [] for budget in budgets}
         for root in range(prompt_length, sequence.shape[0] - levels):  # committed tokens: sequence[: root + 1]
             new = {layer: features[layer][drafter.cache_length: root] for layer in layers}
             state = DraftState(sequence[: root + 1], root, new, num_layers, SamplingConfig())
-            start = time.perf_counter()
+            start = clock()
             feature = drafter.catch_up(state)
-            middle = time.perf_counter()
+            middle = clock()
             nodes = drafter.expand(state, feature)
             catch_up_seconds += middle - start
-            expand_seconds += time.perf_counter() - middle
+            expand_seconds += clock() - middle
             truth = sequence[root + 1:].tolist()
             for budget in budgets:
-                totals[budget] += greedy_accepted(select_tree(*nodes, budget - 1), truth)
-            positions += 1
-    count = max(positions, 1)
-    return {"accepted": {b: t / count for b, t in totals.items()}, "catch_up_seconds": catch_up_seconds / count,
-            "expand_seconds": expand_seconds / count, "levels": levels, "positions": positions}
+                accepted[budget].append(greedy_accepted(select_tree(*nodes, budget - 1), truth))
+        for budget in budgets:
+            per_position[budget] += accepted[budget]
+            walked[budget] += walk_acceptance(accepted[budget])
+    positions = len(per_position[budgets[0]]) if budgets else 0
+
+    def mean(values: list[int]) -> float:
+        return sum(values) / max(len(values), 1)
+
+    return {"accepted": {b: mean(walked[b]) for b in budgets},
+            "accepted_per_position": {b: mean(per_position[b]) for b in budgets},
+            "steps": {b: len(walked[b]) for b in budgets},
+            "catch_up_seconds": catch_up_seconds / max(positions, 1),
+            "expand_seconds": expand_seconds / max(positions, 1), "levels": levels, "positions": positions}

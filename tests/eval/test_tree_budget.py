@@ -7,7 +7,7 @@ import torch
 
 from eval.config import RuntimeConfig
 from eval.drafters import Candidates
-from eval.drafters.eagle import EagleDrafter, greedy_accepted, measure_tree_acceptance
+from eval.drafters.eagle import EagleDrafter, greedy_accepted, measure_tree_acceptance, walk_acceptance
 from eval.generate import plain_generate, speculative_generate
 from eval.calibrate import choose_tree_budget, monotone_costs, verify_costs
 from eval.run import evaluate
@@ -77,6 +77,37 @@ def test_teacher_forced_acceptance_matches_the_runtime(each_kind):
                 seen_accepts += accepted
                 root += accepted + 1
     assert seen_accepts > 0  # the warm head gets drafts accepted: the comparison is not all zeros
+
+
+def test_walk_takes_the_steps_a_greedy_run_takes():
+    # roots at positions 0 (2 accepted: 3 tokens), 3 (1 accepted), 5 (3 accepted), then past the end
+    assert walk_acceptance([2, 0, 0, 1, 0, 3, 0]) == [2, 1, 3]
+    assert walk_acceptance([0, 0, 0]) == [0, 0, 0] and walk_acceptance([]) == []
+
+
+def test_calibration_expects_the_tau_the_runtime_gets(each_kind):
+    """The calibration's expected acceptance per step is the runtime's, step for step: the walk over
+    teacher-forced positions takes the runtime's steps. The mean over every position (the old
+    estimate) is higher than what the runtime got for some budget: easy stretches take few steps."""
+    _, lean, head = each_kind
+    budgets, levels, new_tokens = [2, 3, 5, 8], 3, 24
+    overstated = 0
+    for prompt in prompts(3):
+        full = torch.cat([prompt, torch.tensor(plain_generate(lean, prompt, new_tokens).tokens)])
+        calibration = EagleDrafter(head, lean, mode="tree", depth=levels, top_k=3, total_tokens=max(budgets))
+        measured = measure_tree_acceptance(calibration, [full], [prompt.shape[0]], budgets)
+        for budget in budgets:
+            drafter = EagleDrafter(head, lean, mode="tree", depth=levels, top_k=3, total_tokens=budget)
+            root, steps = prompt.shape[0], []
+            for accepted in speculative_generate(lean, drafter, prompt, new_tokens).accepted:
+                if root >= full.shape[0] - levels:  # past the last position calibration drafts at
+                    break
+                steps.append(accepted)
+                root += accepted + 1
+            assert measured["steps"][budget] == len(steps) > 0
+            assert measured["accepted"][budget] == pytest.approx(sum(steps) / len(steps))
+            overstated += measured["accepted_per_position"][budget] > measured["accepted"][budget] + 1e-9
+    assert overstated > 0
 
 
 def test_evaluate_with_auto_tree_size_and_fallback(each_kind, tmp_path):
