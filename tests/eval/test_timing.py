@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import eval.calibrate
+import eval.drafters.eagle
 import eval.generate
 import eval.run
 import eval.timing
@@ -61,6 +62,19 @@ def test_generation_and_calibration_read_a_synchronised_clock_on_cuda(syncs, lea
     gated = eval.run._gated(lambda: PromptLookupDrafter(2), RuntimeConfig(fallback=True), 1e-3, lean)()
     speculative_generate(lean, gated, prompt, 5)
     assert syncs and all(call == ("sync", "cuda:0") for call in syncs)
+
+
+def test_tree_calibration_times_drafting_on_a_synchronised_clock(syncs, monkeypatch):
+    from tests.tiny import tiny_eagle_setup
+
+    _, lean, head = tiny_eagle_setup(max_seq_len=32)
+    drafter = eval.drafters.eagle.EagleDrafter(head, lean, mode="tree", depth=2, top_k=2, total_tokens=4)
+    sequence = torch.arange(3, 15)
+    eval.drafters.eagle.measure_tree_acceptance(drafter, [sequence], [6], [2, 4])
+    assert syncs == []
+    monkeypatch.setattr(eval.drafters.eagle, "module_device", lambda model: CUDA)
+    measured = eval.drafters.eagle.measure_tree_acceptance(drafter, [sequence], [6], [2, 4])
+    assert measured["positions"] == 4 and syncs == [("sync", "cuda:0")] * 3 * 4  # catch-up, expand, end
 
 
 def test_dynamic_gamma_gets_the_curve_measured_here(lean):
