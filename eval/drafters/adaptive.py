@@ -38,6 +38,12 @@ class DecayedRatio:
         self._numerator = self.decay * self._numerator + numerator
         self._denominator = self.decay * self._denominator + denominator
 
+    def age(self) -> None:
+        """A step went by without an observation: older observations weigh less against the next
+        one, and the value stays as it is."""
+        self._numerator *= self.decay
+        self._denominator *= self.decay
+
     @property
     def value(self) -> float | None:
         return None if self._denominator <= 0 else self._numerator / self._denominator
@@ -88,6 +94,12 @@ class SpeculationGate:
     `probe_every`-th step. The state persists across prompts: it describes the drafter, the target
     and the machine. decay 0.95 (~40 steps of memory): with a shorter memory the rolling τ of a head
     near break-even dips below it often enough that whether an eval speculates depends on noise.
+
+    Memory counts steps of the run, plain ones included (`DecayedRatio.age`), and a probe is two
+    speculative steps: the first catches the drafter up on the plain steps' features, so
+    `FallbackDrafter` does not time it, and the second is timed. Without both, the speculative
+    step time measured just before switching off (the slowest stretch, since that is what switched
+    it off) stayed the cost for the rest of the run, and a probe's τ alone rarely beat it.
     """
 
     plain_seconds: float
@@ -108,6 +120,7 @@ class SpeculationGate:
         self.speculative = DecayedRatio(0.0, self.decay, prior_weight=0.0)
         self.plain = DecayedRatio(self.plain_seconds, self.decay, prior_weight=1.0)
         self.probe = ProbeSchedule(self.probe_every, self.probe_first)
+        self._confirm = False  # the step after a probe speculates too, and is timed
 
     @property
     def cost(self) -> float | None:
@@ -123,8 +136,13 @@ class SpeculationGate:
         """Decide the coming step: True = draft and verify a tree, False = plain decode step."""
         if self.pays():
             self.probe.reset()
+            self._confirm = False
             return True
-        return self.probe.due()
+        if self._confirm:
+            self._confirm = False
+            return True
+        self._confirm = self.probe.due()
+        return self._confirm
 
     def record_speculative(self, tokens: int, seconds: float | None) -> None:
         """seconds None: acceptance only (a step whose time is not typical)."""
@@ -134,6 +152,8 @@ class SpeculationGate:
 
     def record_plain(self, seconds: float) -> None:
         self.plain.add(seconds)
+        self.tau.age()
+        self.speculative.age()
 
 
 class FallbackDrafter:

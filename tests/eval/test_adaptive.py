@@ -80,7 +80,8 @@ def test_gate_switches_off_at_a_loss_probes_and_switches_back():
         gate.record_speculative(1, 0.02)
         gate.record_plain(0.01)
     assert gate.cost == pytest.approx(2.0) and not gate.pays()
-    assert [gate.speculate() for _ in range(8)] == [False, False, False, True] * 2
+    # a probe is two speculative steps (the first catches up untimed, the second is timed)
+    assert [gate.speculate() for _ in range(10)] == [False, False, False, True, True, False, False, False, True, True]
     for _ in range(20):  # drafts got good: 3 tokens per step at the same cost
         gate.record_speculative(3, 0.02)
     assert gate.pays() and all(gate.speculate() for _ in range(5))
@@ -89,20 +90,50 @@ def test_gate_switches_off_at_a_loss_probes_and_switches_back():
     backoff = SpeculationGate(plain_seconds=0.01, initial_tau=2.0, probe_every=16)
     for _ in range(40):
         backoff.record_speculative(1, 0.02)
-    decisions = [backoff.speculate() for _ in range(46)]
-    assert [i + 1 for i, d in enumerate(decisions) if d] == [2, 6, 14, 30, 46]
+    decisions = [backoff.speculate() for _ in range(50)]
+    assert [i + 1 for i, d in enumerate(decisions) if d] == [2, 3, 7, 8, 16, 17, 33, 34, 50]
     for _ in range(60):
         backoff.record_speculative(3, 0.02)
     assert backoff.speculate()
     for _ in range(60):
         backoff.record_speculative(1, 0.02)
-    assert [backoff.speculate() for _ in range(2)] == [False, True]
+    assert [backoff.speculate() for _ in range(3)] == [False, True, True]
     never = SpeculationGate(plain_seconds=1.0)
     for _ in range(80):  # no draft ever accepted, on a clock that says verifying is cheap
         never.record_speculative(1, 0.5)
     assert never.cost == pytest.approx(0.5, abs=0.01) and not never.pays()
     with pytest.raises(ValueError):
         SpeculationGate(plain_seconds=0.0)
+
+
+def _gated_run(gate, costs, tokens=2, plain=0.05):
+    """Speculative or plain steps as `FallbackDrafter` times them: a speculative step right after
+    plain steps catches up and is not timed. costs[i]: step i's speculative time in plain steps."""
+    decisions, after_plain = [], False
+    for cost in costs:
+        speculate = gate.speculate()
+        if speculate:
+            gate.record_speculative(tokens, None if after_plain else cost * plain)
+        else:
+            gate.record_plain(plain)
+        decisions.append(speculate)
+        after_plain = not speculate
+    return decisions
+
+
+def test_gate_recovers_after_a_slow_stretch_once_speculation_pays_again():
+    """A slow stretch (another job on the machine: speculative steps at 3 plain steps) switches the
+    gate off; once steps cost 1.3 again, tau 2 pays and the gate speculates again. Had the cost
+    measured before switching off stayed (probes untimed, memory counted in speculative steps),
+    it would stay off for good."""
+    gate = SpeculationGate(plain_seconds=0.05, initial_tau=2.0)
+    slow = _gated_run(gate, [3.0] * 40)
+    assert sum(slow[10:]) <= 8  # off, probing
+    fast = _gated_run(gate, [1.3] * 200)
+    assert sum(fast[50:]) / 150 > 0.9
+    stays = SpeculationGate(plain_seconds=0.05, initial_tau=2.0)
+    decisions = _gated_run(stays, [3.0] * 240)
+    assert sum(decisions[40:]) / 200 < 0.2  # still a loss: only the probes speculate
 
 
 @pytest.mark.parametrize("right,wrong", [(0, 3), (4, 0)])
@@ -123,8 +154,8 @@ def test_fallback_greedy_equals_plain_and_follows_acceptance(setup, right, wrong
     fraction = sum(speculated) / len(speculated)
     if right:
         assert fraction == 1.0
-    else:  # off after the first steps, then one probe in every 4 steps
-        assert 0.2 <= fraction <= 0.4 and speculated[-4:].count(True) == 1
+    else:  # off after the first steps, then a probe (two speculative steps) after every 4 plain ones
+        assert 0.3 <= fraction <= 0.5 and speculated[-5:].count(True) == 2
 
 
 @pytest.fixture(scope="module", params=["eagle", "eagle3"])
