@@ -11,7 +11,7 @@ import torch
 
 from eval.config import RuntimeConfig
 from eval.drafters.eagle import EagleDrafter, measure_tree_acceptance
-from eval.drafters.medusa import MedusaDrafter, measure_rank_accuracies
+from eval.drafters.medusa import MedusaDrafter, measure_rank_accuracies, walk_tree_acceptance
 from eval.generate import plain_generate
 from eval.medusa_trees import build_tree_from_accuracies, expected_acceptance, parse_choices
 from eval.model import LeanLlama
@@ -130,12 +130,21 @@ def medusa_choices(heads: MedusaHeads, lean: LeanLlama, runtime: RuntimeConfig, 
     accuracies = measure_rank_accuracies(probe, sequences, lengths, top=10)
     costs = verify_costs(lean, prompts[0], (1, *(n + 1 for n in MEDUSA_AUTO_SIZES)))  # root + n nodes
     trees = {n: build_tree_from_accuracies(accuracies, n) for n in MEDUSA_AUTO_SIZES}
-    value = {n: (1.0 + expected_acceptance(tree, accuracies)) * costs[1] / costs[n + 1] for n, tree in trees.items()}
-    best = max(value, key=value.get)
+    # Each tree's acceptance over the steps a greedy run with it takes: the accuracies' product
+    # (an average over every position) overstates it, as for EAGLE trees.
+    accepted = {}
+    for n, tree in trees.items():
+        steps = walk_tree_acceptance(MedusaDrafter(heads, lean, tree, draft_vocab), sequences, lengths)
+        accepted[n] = sum(steps) / max(len(steps), 1)
+    value = {n: (1.0 + accepted[n]) * costs[1] / costs[n + 1] for n in trees}
+    best = max(value, key=lambda n: (value[n], -n))
     choices = trees[best]
     log.info("medusa tree from measured rank accuracies (calibration on %d prompts that are also measured) and "
-             "verification costs: %d nodes, expected accepted drafts %.2f, expected tokens per plain step %.2f "
-             "(sizes tried: %s)", len(sequences), len(choices), expected_acceptance(choices, accuracies), value[best],
-             {n: round(v, 2) for n, v in value.items()})
+             "verification costs: %d nodes, expected accepted drafts per step %.2f (per position %.2f), expected "
+             "tokens per plain step %.2f (sizes tried: %s)", len(sequences), len(choices), accepted[best],
+             expected_acceptance(choices, accuracies), value[best], {n: round(v, 2) for n, v in value.items()})
     return choices, {"rank_accuracies": accuracies, "tokens_per_plain_step_by_size": value,
+                     "expected_tau_by_size": {n: 1.0 + a for n, a in accepted.items()},
+                     "tau_over_every_position_by_size": {n: 1.0 + expected_acceptance(tree, accuracies)
+                                                         for n, tree in trees.items()},
                      "verify_seconds_by_tokens": costs}

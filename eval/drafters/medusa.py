@@ -108,3 +108,31 @@ def measure_rank_accuracies(drafter: MedusaDrafter, sequences: Sequence[torch.Te
             hits[k] += torch.bincount(ranks[ranks < top], minlength=top)[:top].float()
             counts[k] += rows.numel()
     return (hits / counts.clamp_min(1)[:, None]).tolist()
+
+
+@torch.no_grad()
+def walk_tree_acceptance(drafter: MedusaDrafter, sequences: Sequence[torch.Tensor],
+                         prompt_lengths: Sequence[int]) -> list[int]:
+    """The drafts accepted at each step of a greedy run with `drafter`'s tree over each (T,)
+    sequence (prompt + the target's greedy continuation), from the tree proposed at every root
+    (teacher-forced, one batched projection per head) walked as the runtime steps
+    (`eval.drafters.eagle.walk_acceptance`): the steps a run takes, not every position."""
+    from eval.drafters.eagle import greedy_accepted, walk_acceptance
+
+    steps = []
+    depth = drafter.num_used
+    for sequence, prompt_length in zip(sequences, prompt_lengths):
+        roots = torch.arange(prompt_length, sequence.shape[0] - depth)  # the truth covers the deepest draft
+        if roots.numel() == 0:
+            continue
+        cache = drafter.lean.new_cache(sequence.shape[0])
+        features = drafter.lean(sequence, cache, hidden_layers=(-1,), logits="none").hidden[
+            drafter.lean.config.num_layers]  # (T, D)
+        ranked = drafter.head_logits(features[roots - 1]).topk(drafter.top, dim=-1).indices  # (K, R, top)
+        tokens = ranked[drafter.head_index, :, drafter.rank_index].t()  # (R, N)
+        if drafter.vocab is not None:
+            tokens = drafter.vocab[tokens]
+        accepted = [greedy_accepted(Candidates(row, drafter.parents), sequence[root + 1:].tolist())
+                    for row, root in zip(tokens, roots.tolist())]
+        steps += walk_acceptance(accepted)
+    return steps
