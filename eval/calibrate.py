@@ -132,10 +132,9 @@ def medusa_choices(heads: MedusaHeads, lean: LeanLlama, runtime: RuntimeConfig, 
     trees = {n: build_tree_from_accuracies(accuracies, n) for n in MEDUSA_AUTO_SIZES}
     # Each tree's acceptance over the steps a greedy run with it takes: the accuracies' product
     # (an average over every position) overstates it, as for EAGLE trees.
-    accepted = {}
-    for n, tree in trees.items():
-        steps = walk_tree_acceptance(MedusaDrafter(heads, lean, tree, draft_vocab), sequences, lengths)
-        accepted[n] = sum(steps) / max(len(steps), 1)
+    walked = walk_tree_acceptance([MedusaDrafter(heads, lean, tree, draft_vocab) for tree in trees.values()],
+                                  sequences, lengths)
+    accepted = {n: sum(steps) / max(len(steps), 1) for n, steps in zip(trees, walked)}
     value = {n: (1.0 + accepted[n]) * costs[1] / costs[n + 1] for n in trees}
     best = max(value, key=lambda n: (value[n], -n))
     choices = trees[best]

@@ -111,28 +111,29 @@ def measure_rank_accuracies(drafter: MedusaDrafter, sequences: Sequence[torch.Te
 
 
 @torch.no_grad()
-def walk_tree_acceptance(drafter: MedusaDrafter, sequences: Sequence[torch.Tensor],
-                         prompt_lengths: Sequence[int]) -> list[int]:
-    """The drafts accepted at each step of a greedy run with `drafter`'s tree over each (T,)
-    sequence (prompt + the target's greedy continuation), from the tree proposed at every root
-    (teacher-forced, one batched projection per head) walked as the runtime steps
-    (`eval.drafters.eagle.walk_acceptance`): the steps a run takes, not every position."""
+def walk_tree_acceptance(drafters: Sequence[MedusaDrafter], sequences: Sequence[torch.Tensor],
+                         prompt_lengths: Sequence[int]) -> list[list[int]]:
+    """Per drafter (one heads, any trees), the drafts accepted at each step of a greedy run with its
+    tree over each (T,) sequence (prompt + the target's greedy continuation): the tree proposed at
+    every root (teacher-forced, one batched projection per head) walked as the runtime steps
+    (`eval.drafters.eagle.walk_acceptance`), so the steps a run takes, not every position. One
+    target forward per sequence serves every drafter."""
     from eval.drafters.eagle import greedy_accepted, walk_acceptance
 
-    steps = []
-    depth = drafter.num_used
+    steps = [[] for _ in drafters]
+    lean = drafters[0].lean
     for sequence, prompt_length in zip(sequences, prompt_lengths):
-        roots = torch.arange(prompt_length, sequence.shape[0] - depth)  # the truth covers the deepest draft
-        if roots.numel() == 0:
-            continue
-        cache = drafter.lean.new_cache(sequence.shape[0])
-        features = drafter.lean(sequence, cache, hidden_layers=(-1,), logits="none").hidden[
-            drafter.lean.config.num_layers]  # (T, D)
-        ranked = drafter.head_logits(features[roots - 1]).topk(drafter.top, dim=-1).indices  # (K, R, top)
-        tokens = ranked[drafter.head_index, :, drafter.rank_index].t()  # (R, N)
-        if drafter.vocab is not None:
-            tokens = drafter.vocab[tokens]
-        accepted = [greedy_accepted(Candidates(row, drafter.parents), sequence[root + 1:].tolist())
-                    for row, root in zip(tokens, roots.tolist())]
-        steps += walk_acceptance(accepted)
+        cache = lean.new_cache(sequence.shape[0])
+        features = lean(sequence, cache, hidden_layers=(-1,), logits="none").hidden[lean.config.num_layers]  # (T, D)
+        for drafter, walked in zip(drafters, steps):
+            roots = torch.arange(prompt_length, sequence.shape[0] - drafter.num_used)  # truth covers the deepest draft
+            if roots.numel() == 0:
+                continue
+            ranked = drafter.head_logits(features[roots - 1]).topk(drafter.top, dim=-1).indices  # (K, R, top)
+            tokens = ranked[drafter.head_index, :, drafter.rank_index].t()  # (R, N)
+            if drafter.vocab is not None:
+                tokens = drafter.vocab[tokens]
+            accepted = [greedy_accepted(Candidates(row, drafter.parents), sequence[root + 1:].tolist())
+                        for row, root in zip(tokens, roots.tolist())]
+            walked += walk_acceptance(accepted)
     return steps

@@ -130,7 +130,7 @@ def test_calibration_walk_takes_the_runtimes_steps(setup, vocab):
     seen = 0
     for prompt in prompts(3):
         full = torch.cat([prompt, torch.tensor(plain_generate(lean, prompt, 20).tokens)])
-        walked = walk_tree_acceptance(drafter, [full], [prompt.shape[0]])
+        walked = walk_tree_acceptance([drafter], [full], [prompt.shape[0]])[0]
         root, steps = prompt.shape[0], []
         for accepted in speculative_generate(lean, drafter, prompt, 20).accepted:
             if root >= full.shape[0] - drafter.num_used:
