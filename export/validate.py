@@ -11,7 +11,7 @@ from export.formats import get_format
 from export.layout import DTYPES as _DTYPES
 from export.layout import EXPORT_FORMAT_VERSION, ExportError, Format, shape_problems
 from export.manifest import MANIFEST_NAME, sha256_file
-from export.vocab_file import VOCAB_FILE, has_sidecar, read_sidecar, vocab_problems
+from export.vocab_file import has_sidecar, read_sidecar, sidecar_name, vocab_problems
 from heads.io import CONFIG_NAME as NATIVE_CONFIG_NAME
 from heads.vocab import VOCAB_KEY
 from heads.io import (HeadFileError, build_buffers, build_head, check_against_target, config_from_dict,
@@ -66,7 +66,8 @@ def _layout_and_config(folder, manifest: dict) -> tuple[Format, object]:
 
 def _file_problems(folder: Path, layout: Format, manifest: dict, config) -> list[str]:
     problems = []
-    for name in (layout.weights_file, layout.config_file, *([VOCAB_FILE] if has_sidecar(layout, config) else [])):
+    for name in (layout.weights_file, layout.config_file,
+                 *([sidecar_name(manifest)] if has_sidecar(layout, config) else [])):
         info = manifest["files"].get(name)
         if not (folder / name).is_file():
             problems.append(f"{name}: missing")
@@ -132,7 +133,7 @@ def validate_export(folder: str | os.PathLike, target=None) -> dict:
     problems += _identity_problems(manifest, config)
     tensors = _read_tensors(folder, layout)
     problems += shape_problems(tensors, layout.expected_shapes(config), layout.weights_file)
-    problems += vocab_problems(folder, layout, config, tensors)
+    problems += vocab_problems(folder, layout, config, tensors, sidecar_name(manifest))
     problems += [f"{layout.weights_file}: {key!r} holds NaN or infinite values" for key in non_finite_keys(tensors)]
     dtype = _DTYPES[manifest["dtype"]]
     problems += [f"{layout.weights_file}: {key!r} has dtype {str(value.dtype).removeprefix('torch.')}, "
@@ -170,7 +171,7 @@ def load_export(folder: str | os.PathLike, target=None, strict_fingerprint: bool
             check_against_target(config, target, strict_fingerprint)
         state = layout.to_state(_read_tensors(folder, layout), config)
         if has_sidecar(layout, config):  # validated above
-            state[VOCAB_KEY] = read_sidecar(folder)
+            state[VOCAB_KEY] = read_sidecar(folder, sidecar_name(manifest))
         with torch.device("meta"):
             head = build_head(config)
         head.load_state_dict(state, strict=True, assign=True)

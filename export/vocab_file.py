@@ -1,23 +1,26 @@
 """The draft vocabulary of EAGLE-1/2 and Medusa heads in an export folder.
 
 Engine weight files keep the key tables FORMATS.md fixes, so an engine layout carries the head's
-`draft_vocab` (sorted target ids) beside them in `draft_vocab.safetensors` (one int64 tensor,
+`draft_vocab` (sorted target ids) beside them in `draft_vocab.json` (`{"draft_vocab": [ids]}`,
 hashed in the manifest like the other files); `load_export` puts it back into the head. The
 native layout holds it in model.safetensors (the head's own state dict), and EAGLE-3 layouts in
-their `d2t`/`t2d` tensors. Engines do not read it: they draft over the full vocabulary, or over
-`d2t` for EAGLE-3.
+their `d2t`/`t2d` tensors. Engines draft over the full vocabulary (or over `d2t` for EAGLE-3) and
+must not see it: vLLM loads every `*.safetensors` file of a draft folder as weights and refuses a
+key its model lacks, so the ids are JSON. Folders exported with the earlier
+`draft_vocab.safetensors` still load (their manifest names that file).
 """
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 
-from heads.io import HeadFileError, read_weights
+from heads.io import HeadFileError, read_json, read_weights
 from heads.vocab import VOCAB_KEY, check_ids, stores_id_list
 
-VOCAB_FILE = "draft_vocab.safetensors"
+VOCAB_FILE = "draft_vocab.json"
+LEGACY_VOCAB_FILE = "draft_vocab.safetensors"
 
 
 def has_sidecar(layout, config) -> bool:
@@ -34,7 +37,26 @@ def split_state(state: dict, layout, config) -> tuple[dict, torch.Tensor | None]
 
 
 def write_sidecar(folder: Path, ids: torch.Tensor) -> None:
-    save_file({VOCAB_KEY: ids.clone()}, str(folder / VOCAB_FILE), metadata={"format": "pt"})
+    (folder / VOCAB_FILE).write_text(json.dumps({VOCAB_KEY: [int(i) for i in ids.tolist()]}) + "\n")
+
+
+def sidecar_name(manifest: dict) -> str:
+    """The file holding the ids: the manifest's record (an older export's safetensors file) or VOCAB_FILE."""
+    named = (manifest.get("draft_vocab") or {}).get("file") if isinstance(manifest.get("draft_vocab"), dict) else None
+    return LEGACY_VOCAB_FILE if named == LEGACY_VOCAB_FILE else VOCAB_FILE
+
+
+def _read_ids(path: Path) -> dict:
+    """{VOCAB_KEY: ids} from the JSON sidecar (or an older safetensors one); HeadFileError naming it."""
+    if path.name == LEGACY_VOCAB_FILE:
+        return read_weights(path)
+    values = read_json(path)
+    ids = values.get(VOCAB_KEY)
+    if ids is not None:
+        if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+            raise HeadFileError(f"{path}: {VOCAB_KEY!r} must be a list of integer token ids")
+        values = {**values, VOCAB_KEY: torch.tensor(ids, dtype=torch.long)}
+    return values
 
 
 def manifest_entry(layout, config) -> dict | None:
@@ -47,19 +69,19 @@ def manifest_entry(layout, config) -> dict | None:
                    "positions; specheads' runtime reads them, engines draft over the full vocabulary"}
 
 
-def vocab_problems(folder: Path, layout, config, tensors: dict) -> list[str]:
-    """Problems of the head's id list: in `tensors` (native) or in VOCAB_FILE (engine layouts)."""
+def vocab_problems(folder: Path, layout, config, tensors: dict, sidecar: str = VOCAB_FILE) -> list[str]:
+    """Problems of the head's id list: in `tensors` (native) or in the sidecar (engine layouts)."""
     if not stores_id_list(config):
         return []
     if has_sidecar(layout, config):
         try:
-            tensors = read_weights(folder / VOCAB_FILE)
+            tensors = _read_ids(folder / sidecar)
         except HeadFileError as error:
             return [str(error)]
         unexpected = sorted(set(tensors) - {VOCAB_KEY})
         if unexpected:
-            return [f"{VOCAB_FILE}: unexpected keys {unexpected}"]
-    file = VOCAB_FILE if has_sidecar(layout, config) else layout.weights_file
+            return [f"{sidecar}: unexpected keys {unexpected}"]
+    file = sidecar if has_sidecar(layout, config) else layout.weights_file
     ids = tensors.get(VOCAB_KEY)
     if ids is None:
         return [f"{file}: missing key {VOCAB_KEY!r} (the head's draft vocabulary, draft_vocab_size="
@@ -73,5 +95,5 @@ def vocab_problems(folder: Path, layout, config, tensors: dict) -> list[str]:
     return []
 
 
-def read_sidecar(folder: Path) -> torch.Tensor:
-    return read_weights(folder / VOCAB_FILE)[VOCAB_KEY].to(torch.long)
+def read_sidecar(folder: Path, sidecar: str = VOCAB_FILE) -> torch.Tensor:
+    return _read_ids(folder / sidecar)[VOCAB_KEY].to(torch.long)

@@ -36,8 +36,10 @@ def test_every_layout_carries_the_id_list(tmp_path, target, make, formats):
         assert manifest["draft_vocab"]["size"] == len(IDS)
         if fmt != "native":  # the engine's weight file keeps FORMATS.md's keys; the ids sit beside it
             assert "draft_vocab" not in load_file(str(folder / manifest["weights_file"]))
-            assert manifest["draft_vocab"]["file"] == "draft_vocab.safetensors"
-            assert "draft_vocab.safetensors" in manifest["files"]
+            assert manifest["draft_vocab"]["file"] == "draft_vocab.json"
+            assert "draft_vocab.json" in manifest["files"]
+            # vLLM loads every *.safetensors file of a draft folder as weights: only one may exist.
+            assert [p.name for p in folder.glob("*.safetensors")] == [manifest["weights_file"]], fmt
         loaded, loaded_config, _ = load_export(folder, target)
         assert loaded_config == config, fmt
         assert torch.equal(draft_ids(loaded), IDS), fmt
@@ -47,7 +49,7 @@ def test_heads_without_a_list_have_none_and_write_no_sidecar(tmp_path, target):
     head, config = make_eagle(target)
     assert config.draft_vocab_size == 0 and draft_ids(head) is None
     folder = export_head(head, config, "eagle", tmp_path / "e", target, dtype="float32")
-    assert not (folder / "draft_vocab.safetensors").exists()
+    assert not (folder / "draft_vocab.json").exists()
     assert "draft_vocab" not in json.loads((folder / "specheads.json").read_text())
     assert draft_ids(load_export(folder, target)[0]) is None
 
@@ -77,12 +79,20 @@ def test_eagle3_reads_its_vocabulary_from_d2t(tmp_path):
 def test_a_damaged_list_is_refused_naming_the_file(tmp_path, target):
     head, config = _with_vocab(make_eagle(target)[0])
     folder = export_head(head, config, "eagle", tmp_path / "e", target, dtype="float32")
-    save_file({"draft_vocab": IDS.flip(0).contiguous()}, str(folder / "draft_vocab.safetensors"))
-    reseal(folder, "draft_vocab.safetensors")
-    with pytest.raises(ExportValidationError, match=r"draft_vocab.safetensors: draft_vocab: token ids must be strictly"):
+    (folder / "draft_vocab.json").write_text(json.dumps({"draft_vocab": IDS.flip(0).tolist()}))
+    reseal(folder, "draft_vocab.json")
+    with pytest.raises(ExportValidationError, match=r"draft_vocab.json: draft_vocab: token ids must be strictly"):
         validate_export(folder)
-    (folder / "draft_vocab.safetensors").unlink()
-    with pytest.raises(ExportValidationError, match=r"draft_vocab.safetensors: missing"):
+    (folder / "draft_vocab.json").write_text(json.dumps({"draft_vocab": [1.5, 2]}))
+    reseal(folder, "draft_vocab.json")
+    with pytest.raises(ExportValidationError, match=r"draft_vocab.json: 'draft_vocab' must be a list of integer"):
+        validate_export(folder)
+    (folder / "draft_vocab.json").write_text("[1, 2")
+    reseal(folder, "draft_vocab.json")
+    with pytest.raises(ExportValidationError, match=r"draft_vocab.json: not valid JSON"):
+        validate_export(folder)
+    (folder / "draft_vocab.json").unlink()
+    with pytest.raises(ExportValidationError, match=r"draft_vocab.json: missing"):
         load_export(folder, target)
     save_head(tmp_path / "native", head, config)
     weights = tmp_path / "native" / "model.safetensors"
@@ -91,6 +101,19 @@ def test_a_damaged_list_is_refused_naming_the_file(tmp_path, target):
     save_file(state, str(weights))
     with pytest.raises(HeadFileError, match=r"model.safetensors: draft_vocab: token ids must .*\[0, 112\)"):
         load_head(tmp_path / "native", target)
+
+
+def test_an_export_with_the_earlier_safetensors_sidecar_still_loads(tmp_path, target):
+    head, config = _with_vocab(make_eagle(target)[0])
+    folder = export_head(head, config, "eagle_vllm", tmp_path / "e", target, dtype="float32")
+    (folder / "draft_vocab.json").unlink()
+    save_file({"draft_vocab": IDS}, str(folder / "draft_vocab.safetensors"))
+    manifest = json.loads((folder / "specheads.json").read_text())
+    manifest["files"]["draft_vocab.safetensors"] = manifest["files"].pop("draft_vocab.json")
+    manifest["draft_vocab"]["file"] = "draft_vocab.safetensors"
+    (folder / "specheads.json").write_text(json.dumps(manifest))
+    reseal(folder, "draft_vocab.safetensors")
+    assert torch.equal(draft_ids(load_export(folder, target)[0]), IDS)
 
 
 def test_set_draft_vocab_checks_the_ids(target):
