@@ -15,9 +15,10 @@ from data.template import prompt_ids
 log = logging.getLogger(__name__)
 
 
-def _prompt(record_id: str, messages: list[dict], reference: str | None, tokenizer) -> dict:
+def _prompt(record_id: str, messages: list[dict], reference: str | None, tokenizer,
+            category: str | None = None) -> dict:
     return {"id": record_id, "prompt_ids": prompt_ids(tokenizer, messages), "messages": messages,
-            "reference": reference}
+            "reference": reference, "category": category}
 
 
 def eval_prompts(config: DataConfig, tokenizer, n: int, max_prompt_tokens: int) -> list[dict]:
@@ -45,8 +46,9 @@ def eval_prompts(config: DataConfig, tokenizer, n: int, max_prompt_tokens: int) 
 
 def load_prompt_file(path: str | Path, tokenizer, max_prompt_tokens: int | None = None) -> list[dict]:
     """Prompts from a JSONL file of `{"prompt": str}` or `{"messages": [{"role", "content"}]}`
-    (optional "id", "reference"). A trailing assistant message becomes the reference. Malformed
-    lines and over-long prompts are errors naming the line."""
+    (optional "id", "reference", "category": reports give a row per category). A trailing
+    assistant message becomes the reference. Malformed lines and over-long prompts are errors
+    naming the line."""
     if not Path(path).is_file():
         raise FileNotFoundError(f"prompts file {path}: " + ("a folder, not a JSONL file" if Path(path).is_dir()
                                                           else "no such file"))
@@ -76,7 +78,10 @@ def load_prompt_file(path: str | Path, tokenizer, max_prompt_tokens: int | None 
                 raise ValueError(f"{where}: no messages before the assistant reply")
         else:
             raise ValueError(f"{where}: expected {{'prompt': str}} or {{'messages': [...]}}")
-        prompt = _prompt(str(item.get("id", f"line{line_number}")), messages, reference, tokenizer)
+        category = item.get("category")
+        if category is not None and not isinstance(category, str):
+            raise ValueError(f"{where}: 'category' must be a string, got {category!r:.60}")
+        prompt = _prompt(str(item.get("id", f"line{line_number}")), messages, reference, tokenizer, category)
         if max_prompt_tokens is not None and len(prompt["prompt_ids"]) > max_prompt_tokens:
             raise ValueError(f"{where}: prompt has {len(prompt['prompt_ids'])} tokens > {max_prompt_tokens}")
         prompts.append(prompt)

@@ -1,0 +1,231 @@
+"""The serving engine as an eval method: vLLM runs a head's export on the same prompts as our
+runtime, and its acceptance is reported beside our runtime's chain and training's estimate.
+
+vLLM runs in its own venv (scripts/setup_vllm.sh; this process never imports it) through
+scripts/vllm_check.py, one request at a time, prompts given as token ids. vLLM drafts chains of K
+tokens (no trees), so the row to compare is our runtime's chain at the same K, drafting as the
+engine drafts: an EAGLE-1/2 or Medusa head over the full vocabulary (vLLM ignores the head's
+draft vocabulary), an EAGLE-3 head over its d2t map.
+
+One definition of per-position acceptance for every row: accepted at draft position i / drafts
+(speculative steps), i = 1..K; the mean acceptance length is 1 + their sum. Both sides verify
+greedily at temperature 0, so on the same prompts they agree up to the rounding of two different
+sets of kernels; at a temperature they agree in distribution only.
+"""
+from __future__ import annotations
+
+import fcntl
+import json
+import logging
+import math
+import os
+import subprocess
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Sequence
+
+import torch
+
+from eval.config import RuntimeConfig
+
+log = logging.getLogger(__name__)
+REPO = Path(__file__).resolve().parent.parent
+CHECK_SCRIPT = REPO / "scripts" / "vllm_check.py"
+READY = ".specheads-ready"  # written by setup_vllm.sh once the venv imports vLLM
+ENGINES = ("vllm",)
+# The export layout vLLM loads for each head type, and the speculative method it runs it with.
+VLLM_LAYOUTS = {"eagle3": "speculators", "eagle": "eagle_vllm", "medusa": "medusa_vllm"}
+VLLM_METHODS = {"speculators": "eagle3", "eagle3_vllm": "eagle3", "eagle_vllm": "eagle", "medusa_vllm": "medusa"}
+TOLERANCE = 0.02  # per-position acceptance, greedy, float32: see docs/serving.md for how it was measured
+
+
+class EngineError(RuntimeError):
+    """The engine could not run a case (it refused the folder, crashed or timed out)."""
+
+
+def vllm_python(venv: str | os.PathLike | None = None) -> Path:
+    """The vLLM venv's python, built by scripts/setup_vllm.sh when missing (one builder at a time)."""
+    venv = Path(venv or os.environ.get("VLLM_VENV") or REPO / ".venv-vllm").resolve()
+    if not (venv / READY).is_file():
+        venv.parent.mkdir(parents=True, exist_ok=True)
+        with open(venv.parent / f".{venv.name}.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            if not (venv / READY).is_file():
+                log.info("building the vLLM venv %s (scripts/setup_vllm.sh, ~2 minutes)", venv)
+                subprocess.run(["bash", str(REPO / "scripts" / "setup_vllm.sh")], cwd=REPO, check=True,
+                               env={**os.environ, "VLLM_VENV": str(venv)})
+    return venv / "bin" / "python"
+
+
+def base_folder(target) -> Path:
+    """The local folder the engine loads the base model from (the dequantized cache for embedded)."""
+    from heads.target import TargetConfig, resolve_source
+
+    path = Path(resolve_source(TargetConfig(name_or_path=target.name, device="cpu"))[0])
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"{target.name}: no local model folder with config.json ({path}) for the engine")
+    return path
+
+
+def engine_folder(head_folder: str | os.PathLike, head, config, target, work: Path) -> Path:
+    """The folder of the layout vLLM loads for this head: `head_folder` itself when it is one, its
+    subfolder of that layout (a release head's `speculators/`), else an export into `work`."""
+    from export import export_head
+    from export.manifest import MANIFEST_NAME
+    from heads.io import head_type
+
+    layout = VLLM_LAYOUTS[head_type(config)]
+    folder = Path(head_folder)
+    for candidate in (folder, folder / layout):
+        manifest = candidate / MANIFEST_NAME
+        if manifest.is_file() and json.loads(manifest.read_text()).get("format") in VLLM_METHODS:
+            return candidate
+    out = work / layout
+    if (out / MANIFEST_NAME).is_file():
+        return out
+    log.info("exporting the head as %s into %s for the engine", layout, out)
+    return export_head(head, config, layout, out, target, dtype="float32")
+
+
+@dataclass
+class EngineCase:
+    """One speculative run in the engine: a name, the folder it loads, K."""
+
+    name: str
+    folder: Path
+    k: int
+
+    def job(self) -> dict:
+        from export.validate import read_manifest
+
+        method = VLLM_METHODS[read_manifest(self.folder)["format"]]
+        return {"name": self.name, "method": method, "model": str(self.folder.resolve()), "k": self.k}
+
+
+def run_vllm(target, prompts: Sequence[Sequence[int]], cases: Sequence[EngineCase], max_tokens: int,
+             temperature: float, seed: int, work: Path, dtype: str = "float32", plain: bool = True,
+             threads: int | None = None, python: Path | None = None, timeout: int = 1800) -> dict:
+    """Run the engine's plain decoding (`plain`) and each case on `prompts`; returns
+    scripts/vllm_check.py's answer ({version, runs: [{name, tokens, seconds, spec}]})."""
+    work.mkdir(parents=True, exist_ok=True)
+    job = {"target": str(base_folder(target)), "dtype": dtype, "prompts": [list(map(int, p)) for p in prompts],
+           "max_tokens": max_tokens, "temperature": temperature, "seed": seed, "plain": plain,
+           "cases": [case.job() for case in cases]}
+    job_path, answer_path, log_path = work / "vllm_job.json", work / "vllm_answer.json", work / "vllm.log"
+    job_path.write_text(json.dumps(job))
+    answer_path.unlink(missing_ok=True)
+    threads = threads or torch.get_num_threads()
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PYTHONWARNINGS": "ignore",
+           # in-process engine and worker: ~10 s per engine start instead of ~35 s
+           "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
+           "OMP_NUM_THREADS": str(threads), "VLLM_CPU_OMP_THREADS_BIND": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "all")}
+    env.pop("PYTHONPATH", None)
+    start = time.perf_counter()
+    with open(log_path, "w") as out:
+        try:
+            run = subprocess.run([str(python or vllm_python()), str(CHECK_SCRIPT), str(job_path), str(answer_path)],
+                                 cwd=work, env=env, stdout=out, stderr=subprocess.STDOUT, timeout=timeout)
+        except subprocess.TimeoutExpired:
+            raise EngineError(f"vLLM did not finish in {timeout} s (its log: {log_path})") from None
+    if run.returncode != 0 or not answer_path.is_file():
+        tail = log_path.read_text(errors="replace").splitlines()[-25:]
+        raise EngineError(f"vLLM failed (exit {run.returncode}; log {log_path}):\n" + "\n".join(tail))
+    answer = json.loads(answer_path.read_text())
+    log.info("vLLM %s ran %d run(s) in %.0f s", answer["version"], len(answer["runs"]), time.perf_counter() - start)
+    return answer
+
+
+def step_counters(accepted: Sequence[int], drafted: Sequence[int], k: int) -> dict:
+    """Our steps of one prompt -> the engine's counters: drafts (steps that drafted), draft and
+    accepted tokens, accepted at position i = 1..K."""
+    steps = [a for a, size in zip(accepted, drafted) if size > 0]
+    return {"drafts": len(steps), "draft_tokens": sum(s for s in drafted if s > 0), "accepted_tokens": sum(steps),
+            "accepted_per_position_counts": [sum(a >= i for a in steps) for i in range(1, k + 1)]}
+
+
+def rates(counters: Sequence[dict], k: int) -> dict:
+    """Per-prompt counters summed -> the row's figures: accepted_per_position[i] = accepted at
+    position i+1 / drafts, mean acceptance length = 1 + accepted tokens / drafts."""
+    total = {key: sum(c[key] for c in counters) for key in ("drafts", "draft_tokens", "accepted_tokens")}
+    counts = [sum(c["accepted_per_position_counts"][i] for c in counters
+                  if i < len(c["accepted_per_position_counts"])) for i in range(k)]
+    drafts = total["drafts"]
+    return {**total, "accepted_per_position_counts": counts,
+            "accepted_per_position": [c / drafts if drafts else 0.0 for c in counts],
+            "mean_acceptance_length": 1 + total["accepted_tokens"] / drafts if drafts else None}
+
+
+def training_estimate(manifest: dict, k: int) -> dict | None:
+    """Training's held-out estimate at K: position i accepted with the product of the held-out
+    top-1 of draft steps 0..i-1 (the loop's acceptance estimate, cut at K)."""
+    held_out = (manifest.get("training") or {}).get("held_out") or {}
+    accuracies = [held_out.get(f"eval/top1_step{i}") for i in range(k)]
+    if not accuracies or accuracies[0] is None:
+        return None
+    rates, survive = [], 1.0
+    for accuracy in accuracies:
+        if accuracy is None:
+            break
+        survive *= accuracy
+        rates.append(survive)
+    return {"accepted_per_position": rates, "mean_acceptance_length": 1 + sum(rates),
+            "steps_known": len(rates), "source": "specheads.json training.held_out (top-1 per draft step)"}
+
+
+def chain_drafter(head, lean, k: int):
+    """Our runtime's chain at depth K, drafting as vLLM does (see the module docstring)."""
+    from eval.drafters.eagle import EagleDrafter
+    from eval.drafters.medusa import MedusaDrafter
+    from heads.medusa import MedusaHeads
+
+    if isinstance(head, MedusaHeads):
+        return MedusaDrafter(head, lean, [[0] * depth for depth in range(1, k + 1)], draft_vocab=None)
+    return EagleDrafter(head, lean, mode="chain", depth=k, top_k=1, total_tokens=2, draft_vocab=None)
+
+
+def run_ours(target, head, prompts: Sequence[Sequence[int]], k: int, runtime: RuntimeConfig,
+             dtype: str = "float32", transformers: bool = True) -> dict:
+    """Plain decoding, our chain at K and (optionally) transformers' `generate` on `prompts`, in
+    `dtype`, one prompt at a time: {plain, chain, transformers} each with tokens per prompt and seconds."""
+    from eval.generate import plain_generate, speculative_generate
+    from eval.prepare import prepare_target
+    from eval.run import transformers_generate
+    from eval.sampling import SamplingConfig
+
+    tensors = [torch.as_tensor(list(p), dtype=torch.long) for p in prompts]
+    settings = replace(runtime, dtype=dtype, linear_paths="default", fallback=False)
+    max_len = max(p.shape[0] for p in tensors) + runtime.max_new_tokens + k + 8
+    lean, hf_model, _ = prepare_target(target.model, settings, [1, k + 1], tensors[0], max_len)
+    head = head.to(lean.output_device)
+    sampling = SamplingConfig(runtime.temperature, runtime.top_k, runtime.top_p)
+    eos = [] if target.tokenizer.eos_token_id is None else [target.tokenizer.eos_token_id]
+    drafter = chain_drafter(head, lean, k)
+    plain_generate(lean, tensors[0][:8], 4, sampling, eos)  # first-call overheads
+    runs = {"plain": [], "chain": [], **({"transformers": []} if transformers else {})}
+    for index, prompt in enumerate(tensors):
+        new = lambda: torch.Generator().manual_seed(runtime.seed + index)  # noqa: E731 (one stream per run)
+        runs["plain"].append(plain_generate(lean, prompt, runtime.max_new_tokens, sampling, eos, new()))
+        runs["chain"].append(speculative_generate(lean, drafter, prompt, runtime.max_new_tokens, sampling, eos, new()))
+        if transformers:
+            torch.manual_seed(runtime.seed + index)
+            runs["transformers"].append(transformers_generate(hf_model, prompt, runtime.max_new_tokens, sampling, eos))
+    out = {name: {"tokens": [r.tokens for r in results], "seconds": sum(r.total_time for r in results),
+                  "per_prompt_seconds": [r.total_time for r in results],
+                  "new_tokens": sum(len(r.tokens) for r in results)} for name, results in runs.items()}
+    out["chain"]["per_prompt"] = [step_counters(r.accepted, r.tree_sizes, k) for r in runs["chain"]]
+    return out
+
+
+def agreement(ours: dict, engine: dict, tolerance: float = TOLERANCE) -> dict:
+    """Per-position difference of two spec rows and whether it is within `tolerance`."""
+    a, b = ours["accepted_per_position"], engine["accepted_per_position"]
+    differences = [abs(x - y) for x, y in zip(a, b)] + [1.0] * abs(len(a) - len(b))
+    return {"max_abs_difference": max(differences, default=0.0), "tolerance": tolerance,
+            "within_tolerance": bool(differences) and max(differences) <= tolerance}
+
+
+def sampled_tolerance(drafts: int, z: float = 4.0) -> float:
+    """At a temperature both sides sample: a z-sigma band of a rate estimated from `drafts` steps
+    on each side (worst case p = 0.5)."""
+    return z * math.sqrt(2 * 0.25 / max(drafts, 1))
