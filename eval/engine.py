@@ -90,17 +90,20 @@ def engine_folder(head_folder: str | os.PathLike, head, config, target, work: Pa
 
 @dataclass
 class EngineCase:
-    """One speculative run in the engine: a name, the folder it loads, K."""
+    """One speculative run in the engine: a name, the folder it loads, K, and how many of the
+    job's prompts it runs (None: all)."""
 
     name: str
     folder: Path
     k: int
+    prompts: int | None = None
 
     def job(self) -> dict:
         from export.validate import read_manifest
 
         method = VLLM_METHODS[read_manifest(self.folder)["format"]]
-        return {"name": self.name, "method": method, "model": str(self.folder.resolve()), "k": self.k}
+        return {"name": self.name, "method": method, "model": str(self.folder.resolve()), "k": self.k,
+                "prompts": self.prompts}
 
 
 def run_vllm(target, prompts: Sequence[Sequence[int]], cases: Sequence[EngineCase], max_tokens: int,
@@ -184,10 +187,12 @@ def chain_drafter(head, lean, k: int):
     return EagleDrafter(head, lean, mode="chain", depth=k, top_k=1, total_tokens=2, draft_vocab=None)
 
 
-def run_ours(target, head, prompts: Sequence[Sequence[int]], k: int, runtime: RuntimeConfig,
+def run_ours(target, heads: Sequence, prompts: Sequence[Sequence[int]], k: int, runtime: RuntimeConfig,
              dtype: str = "float32", transformers: bool = True) -> dict:
-    """Plain decoding, our chain at K and (optionally) transformers' `generate` on `prompts`, in
-    `dtype`, one prompt at a time: {plain, chain, transformers} each with tokens per prompt and seconds."""
+    """Plain decoding, our chain at K for each of `heads` and (optionally) transformers' `generate`
+    on `prompts`, in `dtype`, one prompt at a time, methods interleaved per prompt. Returns
+    {plain, transformers, chains: [one per head]}, each with tokens and seconds per prompt; a chain
+    also with its per-prompt counters (step_counters)."""
     from eval.generate import plain_generate, speculative_generate
     from eval.prepare import prepare_target
     from eval.run import transformers_generate
@@ -197,24 +202,31 @@ def run_ours(target, head, prompts: Sequence[Sequence[int]], k: int, runtime: Ru
     settings = replace(runtime, dtype=dtype, linear_paths="default", fallback=False)
     max_len = max(p.shape[0] for p in tensors) + runtime.max_new_tokens + k + 8
     lean, hf_model, _ = prepare_target(target.model, settings, [1, k + 1], tensors[0], max_len)
-    head = head.to(lean.output_device)
     sampling = SamplingConfig(runtime.temperature, runtime.top_k, runtime.top_p)
     eos = [] if target.tokenizer.eos_token_id is None else [target.tokenizer.eos_token_id]
-    drafter = chain_drafter(head, lean, k)
+    drafters = [chain_drafter(head.to(lean.output_device), lean, k) for head in heads]
     plain_generate(lean, tensors[0][:8], 4, sampling, eos)  # first-call overheads
-    runs = {"plain": [], "chain": [], **({"transformers": []} if transformers else {})}
+    runs = {"plain": [], **{i: [] for i in range(len(heads))}, **({"transformers": []} if transformers else {})}
     for index, prompt in enumerate(tensors):
-        new = lambda: torch.Generator().manual_seed(runtime.seed + index)  # noqa: E731 (one stream per run)
+        def new():  # the same sampling stream for every method of a prompt
+            return torch.Generator().manual_seed(runtime.seed + index)
+
         runs["plain"].append(plain_generate(lean, prompt, runtime.max_new_tokens, sampling, eos, new()))
-        runs["chain"].append(speculative_generate(lean, drafter, prompt, runtime.max_new_tokens, sampling, eos, new()))
+        for i, drafter in enumerate(drafters):
+            runs[i].append(speculative_generate(lean, drafter, prompt, runtime.max_new_tokens, sampling, eos, new()))
         if transformers:
             torch.manual_seed(runtime.seed + index)
             runs["transformers"].append(transformers_generate(hf_model, prompt, runtime.max_new_tokens, sampling, eos))
-    out = {name: {"tokens": [r.tokens for r in results], "seconds": sum(r.total_time for r in results),
-                  "per_prompt_seconds": [r.total_time for r in results],
-                  "new_tokens": sum(len(r.tokens) for r in results)} for name, results in runs.items()}
-    out["chain"]["per_prompt"] = [step_counters(r.accepted, r.tree_sizes, k) for r in runs["chain"]]
-    return out
+
+    def gathered(results, chain: bool = False) -> dict:
+        out = {"tokens": [r.tokens for r in results], "seconds": sum(r.total_time for r in results),
+               "per_prompt_seconds": [r.total_time for r in results], "new_tokens": sum(len(r.tokens) for r in results)}
+        if chain:
+            out["per_prompt"] = [step_counters(r.accepted, r.tree_sizes, k) for r in results]
+        return out
+
+    return {"plain": gathered(runs["plain"]), "chains": [gathered(runs[i], True) for i in range(len(heads))],
+            **({"transformers": gathered(runs["transformers"])} if transformers else {})}
 
 
 def agreement(ours: dict, engine: dict, tolerance: float = TOLERANCE) -> dict:

@@ -7,7 +7,8 @@ vLLM and the standard library. eval/engine.py writes the job and reads the answe
 JOB.json: {"target": local folder of the base model, "dtype": "float32" | "bfloat16",
 "prompts": [[token ids], ...], "max_tokens": int, "temperature": float, "seed": int,
 "plain": bool (also run the engine without a draft), "cases": [{"name", "method" (eagle3 | eagle |
-medusa | ngram), "model" (draft folder; none for ngram), "k"}]}.
+medusa | ngram), "model" (draft folder; none for ngram), "k", "prompts" (how many of the prompts;
+null: all)}]}.
 
 OUT.json: per run its output token ids per prompt, its seconds in `generate` and, for a speculative
 run, the engine's spec-decode counters per prompt: drafts (speculative steps), draft_tokens,
@@ -72,7 +73,8 @@ def run_one(job: dict, case: dict | None) -> dict:
     params = SamplingParams(temperature=job["temperature"], max_tokens=job["max_tokens"], seed=job["seed"],
                             ignore_eos=False)
     tokens, per_prompt, seconds = [], [], []
-    for prompt in job["prompts"]:  # one request at a time: no batch shapes in the numerics
+    count = (case or {}).get("prompts") or len(job["prompts"])
+    for prompt in job["prompts"][:count]:  # one request at a time: no batch shapes in the numerics
         before = counters(llm) if case is not None else None
         start = time.perf_counter()
         output = llm.generate([TokensPrompt(prompt_token_ids=list(prompt))], params, use_tqdm=False)[0]
