@@ -11,6 +11,7 @@ shipped in the repository for the embedded default (SmolLM2-135M-Instruct), the 
 
     python -m eval head=release                    # EAGLE-2 tree + chain + prompt lookup vs plain
     python -m eval head=release runtime.drafters=[eagle_tree] runtime.num_prompts=4
+    python -m eval head=release engine=vllm engine_k=3   # vLLM runs the head's export beside our chain
 
 On the CPU runtime (conf/runtime/cpu.yaml) the EAGLE tree size is chosen at start from the
 verification-cost curve measured on the machine (`runtime.tree_total_tokens=auto`; an integer fixes
@@ -62,6 +63,8 @@ class EvalEntryConfig:
     prompts_file: str | None = None
     out: str = "runs/eval"
     progress: bool = True
+    engine: str | None = None  # vllm: the serving engine runs the head's export beside our chain (eval/engine_eval.py)
+    engine_k: int | None = None  # drafted tokens per step in the engine comparison; None: the head's chain depth
 
 
 ConfigStore.instance().store(name="eval_schema", node=EvalEntryConfig)
@@ -96,6 +99,15 @@ def load_eval_head(head: str, target, strict_fingerprint: bool = True):
 def check_eval_config(cfg: EvalEntryConfig) -> None:
     """The checks `python -m train` runs on the same settings, before any model loads."""
     check_runtime(cfg.runtime)
+    if cfg.engine is not None:
+        from eval.engine import ENGINES
+
+        if cfg.engine not in ENGINES:
+            raise ValueError(f"engine={cfg.engine!r} is not one of {list(ENGINES)}")
+        if not cfg.head:
+            raise ValueError(f"engine={cfg.engine} measures a head's export: give head=DIR (or head=release)")
+        if cfg.engine_k is not None and (isinstance(cfg.engine_k, bool) or cfg.engine_k < 1):
+            raise ValueError(f"engine_k={cfg.engine_k!r} must be an int >= 1")
     cfg.model.check()
     cfg.data.check()
     path = cfg.prompts_file or cfg.runtime.prompts_file
@@ -117,6 +129,13 @@ def run(cfg: EvalEntryConfig) -> dict:
 
         torch.set_num_threads(runtime.threads)
     target = load_target(TargetConfig(**{f.name: getattr(cfg.model, f.name) for f in dataclasses.fields(TargetConfig)}))
+    if cfg.engine:
+        from eval.stage import run_engine_stage
+
+        report = run_engine_stage(target, runtime, cfg.data, cfg.out, resolve_head(cfg.head), cfg.engine,
+                                  cfg.engine_k, cfg.prompts_file)
+        print(Path(report["files"]["markdown"]).read_text())
+        return report
     head, head_config = load_eval_head(cfg.head, target, cfg.strict_fingerprint) if cfg.head else (None, None)
     logger = cfg.logger or {}
     if logger.get("kind") == "wandb" and logger.get("mode") != "disabled":

@@ -203,7 +203,8 @@ def run_ours(target, heads: Sequence, prompts: Sequence[Sequence[int]], k: int, 
     max_len = max(p.shape[0] for p in tensors) + runtime.max_new_tokens + k + 8
     lean, hf_model, _ = prepare_target(target.model, settings, [1, k + 1], tensors[0], max_len)
     sampling = SamplingConfig(runtime.temperature, runtime.top_k, runtime.top_p)
-    eos = [] if target.tokenizer.eos_token_id is None else [target.tokenizer.eos_token_id]
+    eos_id = getattr(getattr(target, "tokenizer", None), "eos_token_id", None)
+    eos = [] if eos_id is None else [eos_id]
     drafters = [chain_drafter(head.to(lean.output_device), lean, k) for head in heads]
     plain_generate(lean, tensors[0][:8], 4, sampling, eos)  # first-call overheads
     runs = {"plain": [], **{i: [] for i in range(len(heads))}, **({"transformers": []} if transformers else {})}

@@ -20,10 +20,11 @@ log = logging.getLogger(__name__)
 HEAD_FREE = ("prompt_lookup", "self_speculation")  # what runs when no head is given
 
 
-def eval_prompt_ids(runtime: RuntimeConfig, data: DataConfig, tokenizer, prompts_file: str | None = None
-                    ) -> list[list[int]]:
-    """Up to runtime.num_prompts prompts as token ids: from `prompts_file` (else
-    runtime.prompts_file), a JSONL of prompts, or from the held-out side of `data`'s split."""
+def eval_prompt_records(runtime: RuntimeConfig, data: DataConfig, tokenizer, prompts_file: str | None = None
+                        ) -> list[dict]:
+    """Up to runtime.num_prompts prompts (`{"id", "prompt_ids", "category", ...}`): from
+    `prompts_file` (else runtime.prompts_file), a JSONL of prompts, or from the held-out side of
+    `data`'s split."""
     from data.prompts import eval_prompts, load_prompt_file
 
     path = prompts_file or runtime.prompts_file
@@ -31,7 +32,13 @@ def eval_prompt_ids(runtime: RuntimeConfig, data: DataConfig, tokenizer, prompts
         prompts = load_prompt_file(path, tokenizer, runtime.max_prompt_tokens)
     else:
         prompts = eval_prompts(data, tokenizer, runtime.num_prompts, runtime.max_prompt_tokens)
-    return [p["prompt_ids"] for p in prompts[: runtime.num_prompts]]
+    return prompts[: runtime.num_prompts]
+
+
+def eval_prompt_ids(runtime: RuntimeConfig, data: DataConfig, tokenizer, prompts_file: str | None = None
+                    ) -> list[list[int]]:
+    """eval_prompt_records' prompts as token ids."""
+    return [p["prompt_ids"] for p in eval_prompt_records(runtime, data, tokenizer, prompts_file)]
 
 
 def load_eval_head(folder: str | os.PathLike, target, strict_fingerprint: bool = True):
@@ -59,6 +66,20 @@ def select_drafters(names: Sequence[str], head) -> list[str]:
     if dropped:
         log.info("drafters %s do not run a %s head; measuring %s", dropped, type(head).__name__, kept)
     return kept
+
+
+def run_engine_stage(target, runtime: RuntimeConfig, data: DataConfig, out_dir: str | os.PathLike,
+                     head_folder: str | os.PathLike, engine: str = "vllm", k: int | None = None,
+                     prompts_file: str | None = None) -> dict:
+    """The engine comparison (eval/engine_eval.py) of one head folder on the eval prompts: the
+    engine's acceptance beside our runtime's chain at the same K and training's estimate."""
+    from eval.engine_eval import measure_engine
+
+    prompts = eval_prompt_records(runtime, data, target.tokenizer, prompts_file)
+    report = measure_engine(target, [head_folder], prompts, runtime, out_dir, k, engine,
+                            transformers=runtime.compare_transformers)
+    report["files"] = {"json": str(Path(out_dir) / "report.json"), "markdown": str(Path(out_dir) / "report.md")}
+    return report
 
 
 def run_eval_stage(target, runtime: RuntimeConfig, data: DataConfig, out_dir: str | os.PathLike, head=None,

@@ -19,6 +19,8 @@ def _no_target(config):
     ("runtime.seed=-1", "runtime.seed=-1"),
     ("runtime.drafters=[eagle_forest]", "runtime.drafters[]='eagle_forest'"),
     ("model.dtype=fp8", "model.dtype='fp8'"),
+    ("engine=sglang", "engine='sglang' is not one of ['vllm']"),
+    ("engine=vllm", "engine=vllm measures a head's export: give head=DIR"),
 ])
 def test_settings_are_checked_before_the_target_loads(monkeypatch, capsys, override, message):
     monkeypatch.setattr("heads.target.load_target", _no_target)

@@ -1,0 +1,83 @@
+"""The engine comparison's own arithmetic, without the engine: our steps become the engine's
+counters under one definition, training's estimate is the product of its top-1 rates, the
+comparison flags a difference beyond its tolerance, the folder handed to the engine is the layout it
+loads, and a failing engine is one error naming its log."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from eval.config import RuntimeConfig
+from eval.engine import (TOLERANCE, EngineError, agreement, engine_folder, rates, run_ours, run_vllm,
+                         sampled_tolerance, step_counters, training_estimate)
+from export import export_head
+from tests.export.conftest import make_eagle, make_medusa
+from tests.tiny import tiny_eagle_setup, tiny_target
+
+
+def test_steps_become_the_engines_counters():
+    # steps accepted 0, 3, 1, 2 of 3 drafted; one plain step (nothing drafted) is not a draft
+    counters = step_counters([0, 3, 1, 0, 2], [3, 3, 3, 0, 3], k=3)
+    assert counters == {"drafts": 4, "draft_tokens": 12, "accepted_tokens": 6,
+                        "accepted_per_position_counts": [3, 2, 1]}
+    row = rates([counters, step_counters([1], [3], k=3)], k=3)
+    assert row["drafts"] == 5 and row["accepted_per_position_counts"] == [4, 2, 1]
+    assert row["accepted_per_position"] == [0.8, 0.4, 0.2]
+    assert row["mean_acceptance_length"] == pytest.approx(1 + 7 / 5) == pytest.approx(1 + sum(row["accepted_per_position"]))
+    assert rates([], k=2)["mean_acceptance_length"] is None
+
+
+def test_training_estimate_multiplies_the_top1_rates():
+    manifest = {"training": {"held_out": {"eval/top1_step0": 0.5, "eval/top1_step1": 0.4, "eval/top1_step2": 0.5}}}
+    estimate = training_estimate(manifest, k=3)
+    assert estimate["accepted_per_position"] == pytest.approx([0.5, 0.2, 0.1])
+    assert estimate["mean_acceptance_length"] == pytest.approx(1.8)
+    assert training_estimate(manifest, k=5)["steps_known"] == 3
+    assert training_estimate({}, k=3) is None
+
+
+def test_agreement_flags_a_difference_beyond_the_tolerance():
+    ours = {"accepted_per_position": [0.30, 0.10, 0.02]}
+    assert agreement(ours, {"accepted_per_position": [0.30, 0.11, 0.02]})["within_tolerance"]
+    off = agreement(ours, {"accepted_per_position": [0.30 - 2 * TOLERANCE, 0.10, 0.02]})
+    assert not off["within_tolerance"] and off["max_abs_difference"] == pytest.approx(2 * TOLERANCE)
+    assert not agreement(ours, {"accepted_per_position": [0.30, 0.10]})["within_tolerance"]  # K differs
+    assert sampled_tolerance(400) == pytest.approx(4 * (0.5 / 400) ** 0.5)
+
+
+def test_the_engine_gets_the_layout_it_loads(tmp_path):
+    target = tiny_target()
+    head, config = make_eagle(target)
+    native = export_head(head, config, "native", tmp_path / "native", target, dtype="float32")
+    exported = engine_folder(native, head, config, target, tmp_path / "work")
+    assert exported == tmp_path / "work" / "eagle_vllm"
+    assert json.loads((exported / "specheads.json").read_text())["format"] == "eagle_vllm"
+    assert engine_folder(exported, head, config, target, tmp_path / "other") == exported  # used as written
+    release = tmp_path / "release"
+    export_head(head, config, "native", release, target, dtype="float32")
+    export_head(head, config, "eagle_vllm", release / "eagle_vllm", target, dtype="float32")
+    assert engine_folder(release, head, config, target, tmp_path / "w2") == release / "eagle_vllm"
+    medusa, medusa_config = make_medusa(target)
+    assert engine_folder(tmp_path / "none", medusa, medusa_config, target, tmp_path / "w3").name == "medusa_vllm"
+
+
+def test_a_failing_engine_is_one_error_naming_its_log(tmp_path, monkeypatch):
+    monkeypatch.setattr("eval.engine.base_folder", lambda target: tmp_path)
+    with pytest.raises(EngineError, match=r"vLLM failed \(exit 1; log .*vllm.log\)"):
+        run_vllm(None, [[1, 2]], [], 4, 0.0, 0, tmp_path / "work", python=Path("/bin/false"))
+
+
+def test_our_chain_is_lossless_and_counts_what_it_drafted():
+    target, _, head = tiny_eagle_setup()
+    prompts = [torch.randint(0, 100, (12,)).tolist() for _ in range(3)]
+    runtime = RuntimeConfig(max_new_tokens=16, temperature=0.0)
+    ours = run_ours(target, [head], prompts, 3, runtime, transformers=False)
+    chain = ours["chains"][0]
+    assert chain["tokens"] == ours["plain"]["tokens"]
+    row = rates(chain["per_prompt"], 3)
+    assert row["drafts"] > 0 and row["draft_tokens"] == 3 * row["drafts"]
+    counts = row["accepted_per_position_counts"]
+    assert counts == sorted(counts, reverse=True) and counts[0] <= row["drafts"]
