@@ -43,10 +43,13 @@ MODES = ("chain", "tree")
 
 
 class EagleDrafter:
-    """feature_layers: (-1,) for an EAGLE-1/2 head, the head's aux_layer_ids for EAGLE-3."""
+    """feature_layers: (-1,) for an EAGLE-1/2 head, the head's aux_layer_ids for EAGLE-3.
+    greedy_drafts: a chain drafts its argmax tokens at a temperature too (verified as one-hot
+    drafts, still lossless), as vLLM's default `draft_sample_method: greedy` does."""
 
     def __init__(self, head: EagleHead | Eagle3Head, lean: LeanLlama, mode: str = "tree", depth: int = 4,
-                 top_k: int = 4, total_tokens: int = 16, draft_vocab: torch.Tensor | None = None):
+                 top_k: int = 4, total_tokens: int = 16, draft_vocab: torch.Tensor | None = None,
+                 greedy_drafts: bool = False):
         if mode not in MODES:
             raise ValueError(f"eagle drafter: mode must be one of {MODES}, got {mode!r}")
         if depth < 1 or top_k < 1 or total_tokens < 2:
@@ -54,6 +57,7 @@ class EagleDrafter:
         _check_head(head, lean)
         self.head, self.lean = head.eval(), lean
         self.mode, self.depth, self.top_k, self.total_tokens = mode, depth, top_k, total_tokens
+        self.greedy_drafts = greedy_drafts
         self.dtype = next(head.parameters()).dtype
         lm_head = None if isinstance(head, Eagle3Head) else lean.lm_head
         self.runtime = LeanEagleHead(head, capacity=lean.config.max_seq_len, lm_head=lm_head, draft_vocab=draft_vocab)
@@ -128,9 +132,10 @@ class EagleDrafter:
     def _chain(self, state: DraftState, feature: torch.Tensor) -> Candidates:
         length = state.tokens.shape[0]
         tokens, rows = [], []
+        greedy = state.sampling.greedy or self.greedy_drafts
         for i in range(self.depth):
             logits = self.runtime.logits(feature[None])[0]  # (Vd,)
-            if state.sampling.greedy:
+            if greedy:
                 token = int(self._token_ids(logits.argmax()))
             else:
                 q = probabilities(logits, state.sampling)  # (Vd,)
@@ -140,7 +145,6 @@ class EagleDrafter:
             if i + 1 < self.depth:
                 embed = self._embed(torch.tensor([token]))  # (1, D)
                 feature = self.runtime.draft(embed, feature[None], torch.tensor([length - 1 + i]))[0]
-        greedy = state.sampling.greedy
         return Candidates.chain(tokens, None if greedy else torch.stack(rows), deterministic=greedy)
 
     def expand(self, state: DraftState, feature: torch.Tensor) -> tuple[list[int], list[int], list[float], list[int]]:

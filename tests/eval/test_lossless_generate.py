@@ -82,8 +82,9 @@ def _drafter(name: str, lean: LeanLlama):
         return self_speculation_drafter(lean, 1, DynamicGamma(max_gamma=2, adaptive=False))
     if name == "deterministic_tree":
         return TreeStub()
-    mode = "chain" if name.startswith("eagle3_sampled_chain") else "tree"
-    drafter = EagleDrafter(_eagle3_head(), lean, mode=mode, depth=2, top_k=2, total_tokens=5)
+    mode = "chain" if "chain" in name else "tree"
+    drafter = EagleDrafter(_eagle3_head(), lean, mode=mode, depth=2, top_k=2, total_tokens=5,
+                           greedy_drafts=name.startswith("eagle3_argmax"))
     if name.endswith("unmapped"):  # the Vd probabilities put at target ids 0..Vd-1: ignores d2t
         drafter._full_distribution = lambda q: F.pad(q, (0, VOCAB - q.shape[0]))
     return drafter
@@ -102,7 +103,8 @@ def _sample_counts(lean, drafter_name: str, prompt) -> dict:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("drafter_name", ["sampled_chain", "deterministic_tree", "eagle3_sampled_chain", "eagle3_tree"])
+@pytest.mark.parametrize("drafter_name", ["sampled_chain", "deterministic_tree", "eagle3_sampled_chain", "eagle3_tree",
+                                          "eagle3_argmax_chain"])
 def test_speculative_sampling_matches_exact_distribution(drafter_name):
     lean = _peaked_lean()
     prompt = torch.tensor([1, 3, 2])
