@@ -83,7 +83,8 @@ def _auto_notes(fmt_name: str, config, base) -> list[str]:
 def check_destination(out: Path, fmt: str, kind: str, overwrite: bool = False) -> None:
     """Refuse a destination whose contents the user may own. A missing or empty folder is free; an
     earlier export of the same format and head type is replaced (a re-export); any other export only
-    with `overwrite`; a folder without a valid specheads.json, a file, or the working folder never."""
+    with `overwrite`; a folder without a valid specheads.json, a file, or the working folder never.
+    Replacing an export replaces only the files it wrote (`_user_files` keeps the rest)."""
     if not out.exists():
         return
     if not out.is_dir():
@@ -104,6 +105,34 @@ def check_destination(out: Path, fmt: str, kind: str, overwrite: bool = False) -
     raise ExportError(f"out={out} holds a {manifest['format']} export of a {manifest['head_type']} head; writing "
                       f"a {fmt} export of a {kind} head there would replace it: pass overwrite=true "
                       "(export.overwrite=true in a job) or choose another out=")
+
+
+def _user_files(out: Path, written: set[str]) -> list[str]:
+    """Names at the top of an earlier export `out` that it did not write (its manifest's `files`,
+    README.md, specheads.json): the user's, carried into the new export. Refuses one that the new
+    export would write (`written`), since keeping it and writing ours cannot both happen."""
+    if not out.is_dir() or not (out / MANIFEST_NAME).is_file():
+        return []
+    owned = {*read_manifest(out)["files"], README_NAME, MANIFEST_NAME}
+    theirs = sorted(entry.name for entry in out.iterdir() if entry.name not in owned)
+    clash = [name for name in theirs if name in written]
+    if clash:
+        raise ExportError(f"out={out} holds {clash[0]}, which the earlier export did not write and this one "
+                          "would: move it out of the folder or choose another out=")
+    return theirs
+
+
+def _carry(names: list[str], out: Path, tmp: Path) -> None:
+    """Copy the user's files from the old export into the new one: copies, not moves, so the old
+    folder stays whole until the new one is renamed over it."""
+    for name in names:
+        source = out / name
+        if source.is_dir() and not source.is_symlink():
+            shutil.copytree(source, tmp / name, symlinks=True)
+        else:
+            shutil.copy2(source, tmp / name, follow_symlinks=False)
+    if names:
+        log.info("kept %d file(s) of yours from the earlier export in %s: %s", len(names), out, ", ".join(names))
 
 
 def _for_base(config, target):
@@ -151,7 +180,7 @@ def export_head(head: nn.Module, config, fmt: str, out_dir: str | os.PathLike, t
     accuracies, ...) and `eval` (tau, speedup, hardware, ...), `notes` (list
     of str), `base_model_id` (hub id engines load the base by). An existing `out_dir` is replaced
     only when it is an earlier export of the same format and head type, or with `overwrite` any
-    export (`check_destination`). Returns the folder; it is validated before it is renamed into
+    export (`check_destination`); files in it that the earlier export did not write are kept. Returns the folder; it is validated before it is renamed into
     place, and logged as a W&B artifact when a run is active.
     """
     layout = get_format(fmt)
@@ -175,6 +204,9 @@ def export_head(head: nn.Module, config, fmt: str, out_dir: str | os.PathLike, t
     if bad:
         raise ExportError(f"weights {bad[:8]} do not fit in {dtype} (values beyond its range become infinite); "
                           f"export in bfloat16 or float32. Nothing exported to {out}")
+    written = {layout.weights_file, layout.config_file, README_NAME, MANIFEST_NAME,
+               *([VOCAB_FILE] if vocab is not None else [])}
+    kept = _user_files(out, written)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     try:
@@ -193,6 +225,7 @@ def export_head(head: nn.Module, config, fmt: str, out_dir: str | os.PathLike, t
         manifest = build_manifest(layout, config, base, target, dtype, files, extra)
         if manifest_entry(layout, config) is not None:
             manifest["draft_vocab"] = manifest_entry(layout, config)
+        _carry(kept, out, tmp)
         (tmp / README_NAME).write_text(model_card(manifest))
         _write_json(tmp / MANIFEST_NAME, manifest)  # last: a folder without it is not an export
         validate_export(tmp, target)  # also checks the embedding / lm_head copies against the target

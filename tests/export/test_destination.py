@@ -85,3 +85,28 @@ def test_export_all_refuses_a_user_folder_under_the_root(tmp_path, target):
     with pytest.raises(ExportError, match="native exists and is not a specheads export"):
         export_all(head, config, ["native"], tmp_path, target)
     assert (tmp_path / "native" / "notes.txt").is_file()
+
+
+def test_a_re_export_keeps_the_files_a_user_added(tmp_path, target):
+    head, config = make_eagle(target)
+    out = export_head(head, config, "eagle", tmp_path / "out", target, dtype="float32")
+    (out / "serve_notes.sh").write_text("mine")
+    (out / "extra").mkdir()
+    (out / "extra" / "prompts.jsonl").write_text("{}\n")
+    export_head(head, config, "eagle", out, target, dtype="bfloat16")
+    assert validate_export(out, target)["dtype"] == "bfloat16"
+    assert (out / "serve_notes.sh").read_text() == "mine"
+    assert (out / "extra" / "prompts.jsonl").read_text() == "{}\n"
+    export_head(head, config, "eagle_vllm", out, target, overwrite=True)  # another format keeps them too
+    assert (out / "serve_notes.sh").read_text() == "mine" and (out / "extra" / "prompts.jsonl").is_file()
+    assert [p.name for p in tmp_path.iterdir()] == ["out"]
+
+
+def test_a_user_file_named_like_a_new_export_file_is_refused(tmp_path, target):
+    head, config = make_eagle(target)
+    out = export_head(head, config, "eagle", tmp_path / "out", target)
+    (out / "head_config.json").write_text("mine")  # the eagle layout does not write it; native does
+    with pytest.raises(ExportError, match="holds head_config.json, which the earlier export did not write"):
+        export_head(head, config, "native", out, target, overwrite=True)
+    assert (out / "head_config.json").read_text() == "mine" and validate_export(out)["format"] == "eagle"
+    assert [p.name for p in tmp_path.iterdir()] == ["out"]
