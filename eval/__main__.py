@@ -1,13 +1,13 @@
 """`python -m eval [head=DIR|release] [runtime.drafters=[...]] [runtime.KEY=...] [model=...] [prompts_file=...] [out=DIR]`
 
 Measures drafters on held-out ShareGPT prompts (or a JSONL of prompts) and writes report.json,
-report.md and plots to `out`. `head` is a head checkpoint or an export folder; without it only the
-head-free drafters run (prompt_lookup, self_speculation). `eagle_tree` and `eagle_chain` run an
-EAGLE-1/2 or an EAGLE-3 head alike. Every head drafts over the vocabulary it carries (counted
-when it was trained; EAGLE-3: its d2t map); a head saved without one drafts over the full
-vocabulary, with a warning. `head=release` is the trained EAGLE head
-shipped in the repository for the embedded default (SmolLM2-135M-Instruct), the export folder
-`heads/release/eagle_smollm2_135m/`:
+report.md and plots to `out` (a folder holding files eval did not write only with `overwrite=true`).
+`head` is a head checkpoint or an export folder; without it only the head-free drafters run
+(prompt_lookup, self_speculation). `eagle_tree` and `eagle_chain` run an EAGLE-1/2 or an EAGLE-3
+head alike. Every head drafts over the vocabulary it carries (counted when it was trained; EAGLE-3:
+its d2t map); a head saved without one drafts over the full vocabulary, with a warning.
+`head=release` is the trained EAGLE head shipped in the repository for the embedded default
+(SmolLM2-135M-Instruct), the export folder `heads/release/eagle_smollm2_135m/`:
 
     python -m eval head=release                    # EAGLE-2 tree + chain + prompt lookup vs plain
     python -m eval head=release runtime.drafters=[eagle_tree] runtime.num_prompts=4
@@ -62,6 +62,7 @@ class EvalEntryConfig:
     strict_fingerprint: bool = True
     prompts_file: str | None = None
     out: str = "runs/eval"
+    overwrite: bool = False  # let eval replace files in `out` that no earlier eval wrote (eval/out_folder.py)
     progress: bool = True
     engine: str | None = None  # vllm: the serving engine runs the head's export beside our chain (eval/engine_eval.py)
     engine_k: int | None = None  # drafted tokens per step in the engine comparison; None: the head's chain depth
@@ -117,11 +118,13 @@ def check_eval_config(cfg: EvalEntryConfig) -> None:
 
 
 def run(cfg: EvalEntryConfig) -> dict:
+    from eval.out_folder import check_out_folder
     from eval.stage import run_eval_stage
     from heads.target import load_target
 
     runtime = cfg.runtime
     check_eval_config(cfg)
+    check_out_folder(cfg.out, cfg.overwrite)  # a user's report.md in `out` is refused before minutes of measuring
     if cfg.head:
         resolve_head(cfg.head)  # a missing release head fails before the target loads
     if runtime.threads:

@@ -17,7 +17,8 @@ from eval.config import RuntimeConfig
 from eval.generate import plain_generate
 from eval.model import LeanLlama
 from eval.sampling import SamplingConfig
-from eval.sweep import batch_sweep, markdown, plot, sweep_method, sweep_policy
+from eval.out_folder import claim
+from eval.sweep import PLOT_NAMES, batch_sweep, markdown, plot, sweep_method, sweep_policy
 from eval.linear_paths import timer
 from eval.timing import measured_on, module_device
 
@@ -84,7 +85,7 @@ def evaluate_batches(lean: LeanLlama, methods, prompts: Sequence[torch.Tensor], 
         report["batch_one_check"] = batch_one_check(lean, prompts[: max(1, min(len(prompts), 4))],
                                                     runtime.max_new_tokens, eos)
     out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    claim(out_dir, ["report.json", "report.md", *PLOT_NAMES])  # a user's report.md there is refused
     files = {"json": out_dir / "report.json", "markdown": out_dir / "report.md", **plot(sweep, out_dir)}
     files["markdown"].write_text(_markdown(report))
     report["files"] = {k: str(v) for k, v in files.items()}

@@ -14,6 +14,7 @@ from typing import Sequence
 from eval.config import RuntimeConfig
 from eval.engine import (ENGINES, TOLERANCE, EngineCase, EngineError, agreement, engine_folder, rates, run_ours,
                          run_vllm, sampled_tolerance, training_estimate)
+from eval.out_folder import claim
 from eval.timing import cpu_hardware
 
 log = logging.getLogger(__name__)
@@ -80,7 +81,7 @@ def measure_engine(target, heads: Sequence[EngineHead | str | os.PathLike], prom
     if not heads:
         raise ValueError("engine comparison: no head (give head=DIR)")
     out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    claim(out_dir, ["report.json", "report.md", "engine_work", *(f"engine_export_{i}" for i in range(len(heads)))])
     loaded = [load_export(h.folder, target, dtype="float32") for h in heads]
     k = _k(loaded[0][2], runtime, k)
     dtype = "bfloat16" if runtime.dtype in ("bfloat16", "bf16") else "float32"

@@ -242,14 +242,16 @@ def write_report(report: dict, out_dir: str | Path) -> dict[str, Path]:
     """Write report.json, report.md, acceptance_per_depth.png and, with two or more EAGLE tree
     sizes measured, speedup_vs_tree_size.png; log to W&B when a run is active. Returns the paths
     by kind."""
+    from eval.out_folder import claim
+
     out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
     paths = {"json": out_dir / "report.json", "markdown": out_dir / "report.md",
              "acceptance_plot": out_dir / "acceptance_per_depth.png"}
+    speedup = out_dir / "speedup_vs_tree_size.png"
+    claim(out_dir, [path.name for path in (*paths.values(), speedup)])  # a user's report.md there is refused
     paths["json"].write_text(json.dumps(report, indent=2, default=str))
     paths["markdown"].write_text(markdown_table(report))
     plot_acceptance(report, paths["acceptance_plot"])
-    speedup = out_dir / "speedup_vs_tree_size.png"
     if plot_speedup_vs_tree_size(report, speedup) is not None:
         paths["speedup_plot"] = speedup
     else:

@@ -216,6 +216,9 @@ def _fmt(value, digits: int = 2) -> str:
     return "–" if value is None else f"{value:.{digits}f}"
 
 
+PLOT_NAMES = ("speedup_vs_batch_size.png", "tpot_vs_batch_size.png")  # what plot() writes
+
+
 def plot(sweep: dict, out_dir) -> dict:
     """speedup_vs_batch_size.png and tpot_vs_batch_size.png in out_dir; returns their paths."""
     from pathlib import Path

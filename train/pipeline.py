@@ -83,6 +83,10 @@ def run_job(job: JobConfig) -> dict:
     log.info("job %s: stages %s, run folder %s", job.recipe, job.stages, run_dir)
     if job.logger.kind == "wandb":  # WANDB_MODE may override logger.mode: said once, here
         job = dataclasses.replace(job, logger=dataclasses.replace(job.logger, mode=wandb_mode(job.logger.mode)))
+    if "eval" in job.stages:
+        from eval.out_folder import check_out_folder
+
+        check_out_folder(run_dir / "eval")  # a user's files there are refused before any model loads
     target = load_job_target(job)
     check_arch(job, target)
     summary: dict = {"recipe": job.recipe, "target": target.name, "fingerprint": target.fingerprint(),
