@@ -127,6 +127,15 @@ def train_heads(job, target, data, source: FeatureSource | None = None, accelera
     def reduce(tensor):
         return accelerator.reduce(tensor, "sum") if world > 1 else tensor
 
+    unsettled_tokens = 0  # this process's tokens not yet in state["tokens"]
+
+    def settle_tokens() -> None:
+        """Add every process's tokens since the last call to state["tokens"]: at each log line and
+        before each checkpoint, so a checkpoint saved between log lines counts all its steps."""
+        nonlocal unsettled_tokens
+        state["tokens"] += int(reduce(torch.tensor([unsettled_tokens], dtype=torch.long, device=device)).item())
+        unsettled_tokens = 0
+
     pad_id = target.config.pad_token_id if target.config.pad_token_id is not None else 0
     stream = BatchStream(data.train, t.batch_size, world, rank, t.seed, pad_id, device)
     held_out = eval_batches(data.eval, t.batch_size, world, rank, t.eval_batches, pad_id, device)
@@ -174,6 +183,7 @@ def train_heads(job, target, data, source: FeatureSource | None = None, accelera
 
     def save(step: int, eval_metrics: dict | None) -> Path | None:
         nonlocal last_saved
+        settle_tokens()
         # every process agrees before any writes: non-finite weights are not checkpointed (each
         # process checks what it holds, a ZeRO-3 slice or the whole head)
         finite = all(bool(torch.isfinite(p).all()) for p in head.parameters())
@@ -230,7 +240,9 @@ def train_heads(job, target, data, source: FeatureSource | None = None, accelera
                         _check_finite(reduce, grad_norm.detach().float(), state["step"], "gradient norm", last_saved)
                     optimizer.step()
                     optimizer.zero_grad(set_to_none=True)
-                window.add(out, int(batch["attention_mask"].sum()), kind)
+                tokens = int(batch["attention_mask"].sum())
+                window.add(out, tokens, kind)
+                unsettled_tokens += tokens
             scheduler.step()
             window.sums["seconds"] += time.time() - step_started
             state["step"] += 1
@@ -241,7 +253,8 @@ def train_heads(job, target, data, source: FeatureSource | None = None, accelera
             last = step >= t.max_steps or over_budget
             if step % t.log_every == 0 or last:
                 metrics = window.flush(reduce, device, world)
-                state["tokens"] += int(metrics.pop("tokens"))
+                metrics.pop("tokens")  # the window's count, for tokens/s; the run's total is settled below
+                settle_tokens()
                 metrics.update({"train/lr": scheduler.get_last_lr()[-1], "train/grad_norm": float(grad_norm),
                                 "train/tokens_seen": state["tokens"], **gpu_memory_metrics(device)})
                 if main:

@@ -61,6 +61,18 @@ def test_resume_after_a_crash_reproduces_the_losses(tmp_path):
         assert resumed[step] == pytest.approx(uninterrupted[step], rel=1e-6, abs=1e-7)
 
 
+def test_a_checkpoint_between_log_lines_keeps_the_token_count(tmp_path):
+    target, data = tiny_target(), tiny_data()
+    job = tiny_job(tmp_path, log_every=3, save_every=2, keep_last=4)  # logs at 3, 6, 8; saves at 2, 4, 6, 8
+    train_heads(job, target, data)
+    uninterrupted = _metrics(tmp_path, "train/tokens_seen")
+    # The run "died" after its step-4 checkpoint, one step past a log line.
+    for step in (6, 8):
+        shutil.rmtree(tmp_path / "checkpoints" / f"step-{step:08d}")
+    train_heads(job, target, data)
+    assert _metrics(tmp_path, "train/tokens_seen") == uninterrupted
+
+
 _KILLED_RUN = """
 import sys, time, torch
 torch.set_num_threads(1)
@@ -203,6 +215,37 @@ def test_init_fc_ridge_fits_fc_on_the_first_training_batches(tmp_path):
     set_fc_by_ridge(expected, gram, cross, rows, job.heads.eagle.ridge_penalty)
     torch.testing.assert_close(trained.fc.weight, expected.fc.weight, atol=1e-5, rtol=1e-4)
     assert trained.layers[0].mlp.down_proj.weight.abs().max() < 1e-6
+
+
+def test_eagle3_init_fc_ridge_starts_the_head_as_the_linear_fit(tmp_path):
+    from heads.eagle3 import Eagle3Config, Eagle3Head, set_fc_by_ridge
+    from train.data_order import BatchStream
+    from train.eagle3_objective import eagle3_ridge_sums, feature_layers, split_features
+    from train.objectives import FrozenParts
+
+    target, data = tiny_target(), tiny_data()
+    job = tiny_job(tmp_path, "eagle3", max_steps=1, learning_rate=1e-9)
+    job.heads.eagle3.init_fc, job.heads.eagle3.ridge_tokens = "ridge", 150
+    result = train_heads(job, target, data)
+    trained, _, _ = load_head(result.last_checkpoint, target)
+    aux_ids = trained.config.aux_layer_ids
+    source = OnlineFeatures(target, layers=feature_layers(aux_ids))
+    stream = BatchStream(data.train, 4, 1, 0, job.trainer.seed, 0, "cpu")
+    gram, cross, rows = eagle3_ridge_sums(FrozenParts.from_target(target), (stream.next() for _ in range(8)),
+                                          source, len(aux_ids), target.final_norm.weight, 150)
+    assert 150 <= rows < 250 and gram.shape == (3 * target.hidden_size,) * 2
+    expected = Eagle3Head(Eagle3Config.from_target(target, aux_layer_ids=aux_ids))
+    set_fc_by_ridge(expected, gram, cross, rows, job.heads.eagle3.ridge_penalty)
+    torch.testing.assert_close(trained.fc.weight, expected.fc.weight, atol=1e-5, rtol=1e-4)
+    assert trained.midlayer.self_attn.o_proj.weight.abs().max() < 1e-6
+    assert trained.midlayer.mlp.down_proj.weight.abs().max() < 1e-6
+    # The layer passes fc's output through, so step 0 scores the fit: better than a random head.
+    batch = stream.next()
+    aux, _ = split_features(source(batch), len(aux_ids))
+    hidden = trained.project(aux[:, :-1])
+    positions = torch.arange(hidden.shape[1]).expand(hidden.shape[0], -1)
+    out, _ = trained(target.embed_tokens(batch["input_ids"][:, 1:]), hidden, positions)
+    torch.testing.assert_close(out, hidden)
 
 
 def test_fc_learning_rate_scale_zero_freezes_fc_and_logs_the_main_rate(tmp_path):
