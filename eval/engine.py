@@ -82,8 +82,6 @@ def engine_folder(head_folder: str | os.PathLike, head, config, target, work: Pa
         if manifest.is_file() and json.loads(manifest.read_text()).get("format") in VLLM_METHODS:
             return candidate
     out = work / layout
-    if (out / MANIFEST_NAME).is_file():
-        return out
     log.info("exporting the head as %s into %s for the engine", layout, out)
     return export_head(head, config, layout, out, target, dtype="float32")
 

@@ -27,6 +27,7 @@ class MedusaDrafter:
         if self.num_used > heads.config.num_heads:
             raise ValueError(f"medusa tree has depth {self.num_used} > {heads.config.num_heads} heads")
         self.heads, self.lean = heads.eval(), lean
+        self.head_dtype = next(heads.parameters()).dtype  # float32 behind a bf16 target too
         self.parents = torch.tensor(choices_to_parents(self.choices), dtype=torch.long)
         self.head_index = torch.tensor([len(path) - 1 for path in self.choices])  # (N,)
         self.rank_index = torch.tensor([path[-1] for path in self.choices])  # (N,)
@@ -48,8 +49,8 @@ class MedusaDrafter:
     @torch.no_grad()
     def head_logits(self, features: torch.Tensor) -> torch.Tensor:
         """(n, D) target features -> (K_used, n, Vd) float logits (Vd = V without draft_vocab)."""
-        x = features[None].to(self.projections[0].dtype)  # (1, n, D)
-        return torch.stack([(self.heads.hidden_one(k, x)[0] @ self.projections[k]).float()
+        x = features[None].to(self.head_dtype)  # (1, n, D): the heads run in their own dtype
+        return torch.stack([(self.heads.hidden_one(k, x)[0].to(self.projections[k].dtype) @ self.projections[k]).float()
                             for k in range(self.num_used)])
 
     @torch.no_grad()

@@ -140,3 +140,16 @@ def test_calibration_walk_takes_the_runtimes_steps(setup, vocab):
         assert walked == steps and steps
         seen += sum(steps)
     assert seen > 0
+
+
+def test_float32_heads_draft_behind_a_bfloat16_target(setup):
+    """runtime.dtype=auto may run the target in bf16 while the heads stay float32: the heads run in
+    their dtype and the shared projection in the target's, and the output stays lossless."""
+    _, _, shared = setup
+    bf16 = LeanLlama.from_hf(tiny_target().model.to(torch.bfloat16), max_seq_len=256)
+    drafter = MedusaDrafter(shared, bf16, [[0], [0, 0], [1]])
+    logits = drafter.head_logits(torch.randn(3, bf16.config.hidden_size, dtype=torch.bfloat16))
+    assert logits.shape[:2] == (2, 3) and logits.dtype == torch.float32
+    prompt = prompts(1)[0]
+    plain = plain_generate(bf16, prompt, 12).tokens
+    assert speculative_generate(bf16, drafter, prompt, 12).tokens == plain
