@@ -12,6 +12,7 @@ from heads.checks import choice, fraction, positive
 
 HEAD_TYPES = ("eagle", "eagle3", "medusa")  # heads.io maps each to its config and module
 INIT_FC = ("feature", "random", "ridge")  # heads.eagle.init_from_target's fc starts
+EAGLE3_INIT_FC = ("random", "ridge")  # heads.eagle3's fc starts
 
 
 @dataclass
@@ -60,10 +61,18 @@ class Eagle3Options:
     loss_decay: float = 0.8  # unrolled step j weighs decay**j
     norm_before_residual: bool = False  # True: the decoder layer's residual is hidden_norm(h)
     eval_steps: int = 4  # held-out evaluation drafts this many steps on the head's own outputs
+    # random | ridge: fc fitted in closed form so the head starts as the linear map aux_t -> the
+    # target's next state (its attention and MLP outputs zeroed), on the first ridge_tokens positions
+    init_fc: str = "random"
+    ridge_tokens: int = 20000
+    ridge_penalty: float = 1e-3
 
     def check(self, key: str = "heads.eagle3") -> None:
         positive(f"{key}.ttt_steps", self.ttt_steps)
         positive(f"{key}.eval_steps", self.eval_steps)
+        positive(f"{key}.ridge_tokens", self.ridge_tokens)
+        positive(f"{key}.ridge_penalty", self.ridge_penalty, allow_zero=True)
+        choice(f"{key}.init_fc", self.init_fc, EAGLE3_INIT_FC)
         fraction(f"{key}.loss_decay", self.loss_decay)
         if self.aux_layer_ids is not None and not self.aux_layer_ids:
             raise ValueError(f"{key}.aux_layer_ids is empty: EAGLE-3 reads at least one target layer "

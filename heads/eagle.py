@@ -240,17 +240,24 @@ def init_from_target(head: EagleHead, target, layer: int | None = -1, fc: str = 
     return head
 
 
+def ridge_solution(gram: torch.Tensor, cross: torch.Tensor, rows: int, penalty: float,
+                   bias_row: bool = False) -> torch.Tensor:
+    """argmin_W |X W - Y|² + penalty·rows·|W|² from gram = XᵀX (F, F) and cross = XᵀY (F, D),
+    float64; with `bias_row` the last row of X is the constant 1 and is not penalised. -> (F, D)."""
+    gram, cross = gram.double(), cross.double()
+    ridge = torch.full((gram.shape[0],), penalty * rows, dtype=torch.float64, device=gram.device)
+    if bias_row:
+        ridge[-1] = 0.0
+    return torch.linalg.solve(gram + torch.diag(ridge), cross)
+
+
 @torch.no_grad()
 def set_fc_by_ridge(head: EagleHead, gram: torch.Tensor, cross: torch.Tensor, rows: int, penalty: float) -> None:
     """Set fc to the ridge-regression solution of fc(cat(e, f_t)) ~ f_{t+1}: gram = Σ x xᵀ (2D+1, 2D+1)
     and cross = Σ x yᵀ (2D+1, D) over `rows` inputs x = [e, f_t, 1] and targets y = f_{t+1};
     penalty * rows is added to the diagonal (not to the bias). The bias row is used iff fc has a bias."""
     size = gram.shape[0] - (0 if head.fc.bias is not None else 1)
-    gram, cross = gram[:size, :size].double(), cross[:size].double()
-    ridge = torch.full((size,), penalty * rows, dtype=torch.float64, device=gram.device)
-    if head.fc.bias is not None:
-        ridge[-1] = 0.0
-    solution = torch.linalg.solve(gram + torch.diag(ridge), cross)  # (size, D)
+    solution = ridge_solution(gram[:size, :size], cross[:size], rows, penalty, head.fc.bias is not None)  # (size, D)
     D2 = 2 * head.config.hidden_size
     head.fc.weight.copy_(solution[:D2].T.to(head.fc.weight.dtype))
     if head.fc.bias is not None:

@@ -195,3 +195,17 @@ def init_from_target(head: Eagle3Head, target, ids: torch.Tensor | None = None) 
     head.lm_head.weight.copy_(target.lm_head.weight[rows].to(head.lm_head.weight))
     head.norm.weight.copy_(target.final_norm.weight.to(head.norm.weight))
     return head
+
+
+@torch.no_grad()
+def set_fc_by_ridge(head: Eagle3Head, gram: torch.Tensor, cross: torch.Tensor, rows: int, penalty: float) -> None:
+    """Start the head as a linear fit: fc = the ridge solution of fc(aux_t) ~ y over `rows` pairs
+    (gram = Σ aux auxᵀ (n·Ht, n·Ht), cross = Σ aux yᵀ (n·Ht, D), y the target's next state with its
+    final norm's weight divided out), and the decoder layer's attention and MLP output projections
+    zeroed, so that its output is fc(aux_t) and `logits` scores it as the target scores its next
+    position (the draft norm and lm_head start as the target's)."""
+    from heads.eagle import ridge_solution
+
+    head.fc.weight.copy_(ridge_solution(gram, cross, rows, penalty).T.to(head.fc.weight.dtype))
+    head.midlayer.self_attn.o_proj.weight.zero_()
+    head.midlayer.mlp.down_proj.weight.zero_()

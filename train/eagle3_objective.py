@@ -112,3 +112,25 @@ def eagle3_step(head: nn.Module, parts: FrozenParts, batch: dict, features: torc
     result = eagle3_loss(states, module.lm_head.weight, teacher, in_vocab, rows, decay, chunk_size)
     result["positions"] = int(base.sum())
     return result
+
+
+@torch.no_grad()
+def eagle3_ridge_sums(parts: FrozenParts, batches, source, num_aux: int, norm_weight: torch.Tensor, max_tokens: int):
+    """Σ x xᵀ (n·Ht, n·Ht), Σ x yᵀ (n·Ht, Ht) and the row count over step 0's counted chains of
+    `batches` (x = aux_t, y = final_{t+1} / norm_weight: the target's next post-norm state with its
+    norm's weight divided out, which the draft's norm puts back), stopping after ~max_tokens rows.
+    Float64 sums."""
+    gram = cross = None
+    rows = 0
+    scale = norm_weight.double()
+    for batch in batches:
+        aux, final = split_features(source(batch).double(), num_aux)  # (B, T, n·Ht), (B, T, Ht)
+        mask = eagle_position_mask(batch["loss_mask"], batch["attention_mask"])  # (B, T-1)
+        x = aux[:, :-1][mask]  # (N, n·Ht)
+        y = final[:, 1:][mask] / scale  # (N, Ht)
+        gram = x.T @ x if gram is None else gram + x.T @ x
+        cross = x.T @ y if cross is None else cross + x.T @ y
+        rows += x.shape[0]
+        if rows >= max_tokens:
+            break
+    return gram, cross, rows

@@ -25,10 +25,11 @@ from torch import nn
 from heads.config import Eagle3Options, EagleOptions, HeadsConfig, MedusaOptions
 from heads.eagle import EagleConfig, init_from_target as init_eagle, set_fc_by_ridge
 from heads.eagle3 import Eagle3Config, default_aux_layer_ids, init_from_target as init_eagle3
+from heads.eagle3 import set_fc_by_ridge as set_eagle3_fc_by_ridge
 from heads.io import build_head
 from heads.medusa import MedusaConfig, init_from_target as init_medusa
 from heads.vocab import set_draft_vocab
-from train.eagle3_objective import eagle3_step, feature_layers as eagle3_feature_layers
+from train.eagle3_objective import eagle3_ridge_sums, eagle3_step, feature_layers as eagle3_feature_layers
 from train.heldout import eagle3_eval_counts, eagle_eval_counts, medusa_eval_counts
 from train.objectives import FINAL, FeatureSource, FrozenParts, eagle_step, medusa_step, ridge_sums
 
@@ -216,7 +217,16 @@ class Eagle3Kind:
         return [{"params": list(head.parameters())}]
 
     def prepare(self, head, parts, source, batches, world, reduce):
-        pass
+        """init_fc=ridge: fit fc on the first ~ridge_tokens counted positions of the training order."""
+        o = self.options
+        if o.init_fc != "ridge":
+            return
+        module = getattr(head, "module", head)
+        gram, cross, count = eagle3_ridge_sums(parts, batches, source, len(module.config.aux_layer_ids),
+                                               module.norm.weight.detach(), o.ridge_tokens // world)
+        count = int(reduce(torch.tensor(float(count), device=gram.device)).item())
+        set_eagle3_fc_by_ridge(module, reduce(gram), reduce(cross), count, o.ridge_penalty)
+        log.info("EAGLE-3 fc initialised by ridge regression on %d positions", count)
 
     def step(self, head, parts, batch, features, chunk_size):
         return eagle3_step(head, parts, batch, features, self.options.ttt_steps, self.options.loss_decay, chunk_size)
