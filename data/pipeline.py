@@ -146,9 +146,14 @@ def prepare_data(config: DataConfig, tokenizer, run_dir: str | Path | None = Non
         raise ValueError(f"data: no training records left (load: {load_stats['skipped']}, "
                          f"tokenize: {train_skipped}); check data.source and data.max_length")
     if run_dir is not None:
-        Path(run_dir).mkdir(parents=True, exist_ok=True)
-        (Path(run_dir) / "data_stats.json").write_text(json.dumps(stats, indent=1))
+        write_data_stats(run_dir, stats)
     return PreparedData(train=train, eval=held_out, stats=stats)
+
+
+def write_data_stats(run_dir: str | Path, stats: dict) -> None:
+    """`<run_dir>/data_stats.json`, the data stage's record of what it prepared."""
+    Path(run_dir).mkdir(parents=True, exist_ok=True)
+    (Path(run_dir) / "data_stats.json").write_text(json.dumps(stats, indent=1))
 
 
 def _log_stats(stats: dict) -> None:

@@ -261,6 +261,49 @@ def _set_aside(path: Path) -> None:
             return
 
 
+def trained_data(path: str | os.PathLike) -> dict | None:
+    """{"records", "tokens"} of the rows the checkpoint's run trained on (its run identity), or
+    None for a folder that is not a checkpoint or one saved before the identity held them."""
+    return ((read_state(path) or {}).get(RUN_KEY) or {}).get("data")
+
+
+def _single_checkpoint(resume: str) -> Path | None:
+    """The checkpoint folder `trainer.resume` names, or None when it names a run or checkpoints folder."""
+    path = Path(resume)
+    return path if path.name != "checkpoints" and not (path / "checkpoints").is_dir() else None
+
+
+def _checkpoints_root(resume: str, root: Path) -> Path:
+    if resume == "auto":
+        return root
+    path = Path(resume)
+    return path if path.name == "checkpoints" else path / "checkpoints"
+
+
+def check_resume(resume: str, root: str | os.PathLike, identity: dict) -> None:
+    """find_resume's refusals (resume=never into a folder of checkpoints, a damaged checkpoint
+    named by path, another run's checkpoint) from the trainer states alone, nothing loaded: the
+    job runs it before it replaces the data stage's record in the run folder."""
+    root = Path(root)
+    if resume == "never":
+        find_resume(resume, root)
+        return
+    single = _single_checkpoint(resume) if resume != "auto" else None
+    if single is not None:
+        state, problems = state_problems(single)
+        if problems:
+            raise CheckpointError(f"trainer.resume={resume}: " + "; ".join(problems))
+        candidates = [single]
+    else:
+        candidates = [path for _, path in reversed(list_checkpoints(_checkpoints_root(resume, root)))]
+    for path in candidates:
+        state, problems = state_problems(path)
+        if not problems:  # the one find_resume tries first
+            if state.get(RUN_KEY) is not None:  # an older checkpoint without one: find_resume warns
+                _check_identity(path, state, identity)
+            return
+
+
 def find_resume(resume: str, root: str | os.PathLike, identity: dict | None = None,
                 main_process: bool = True) -> tuple[Path | None, dict | None]:
     """Where training starts -> (checkpoint folder, loaded checkpoint) or (None, None) for a fresh run.
@@ -280,15 +323,14 @@ def find_resume(resume: str, root: str | os.PathLike, identity: dict | None = No
                 "of an earlier run; a fresh run there would mix with them. Use a new trainer.output_dir, move "
                 f"{root} away, or resume=auto to continue that run.")
         return None, None
-    if resume != "auto":
-        path = Path(resume)
-        if path.name != "checkpoints" and not (path / "checkpoints").is_dir():
-            state, problems = state_problems(path)
-            if problems:
-                raise CheckpointError(f"trainer.resume={resume}: " + "; ".join(problems))
-            _check_identity(path, state, identity)
-            return path, load_checkpoint(path)
-        root = path if path.name == "checkpoints" else path / "checkpoints"
+    path = _single_checkpoint(resume) if resume != "auto" else None
+    if path is not None:
+        state, problems = state_problems(path)
+        if problems:
+            raise CheckpointError(f"trainer.resume={resume}: " + "; ".join(problems))
+        _check_identity(path, state, identity)
+        return path, load_checkpoint(path)
+    root = _checkpoints_root(resume, root)
     failures = []
     for _, path in reversed(list_checkpoints(root)):
         state, problems = state_problems(path)

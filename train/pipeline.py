@@ -101,9 +101,12 @@ def run_job(job: JobConfig) -> dict:
 
     prepared = None
     if {"data", "train", "features"} & set(job.stages):
-        from data.pipeline import prepare_data
+        from data.pipeline import prepare_data, write_data_stats
 
-        prepared = prepare_data(job.data, target.tokenizer, run_dir)
+        prepared = prepare_data(job.data, target.tokenizer)
+        if "train" in job.stages:
+            _check_resume(job, target, prepared)  # a refused resume leaves the run folder's data_stats.json
+        write_data_stats(run_dir, prepared.stats)
         summary["data"] = prepared.stats
         _log_dataset(job, run_dir, data_source)
 
@@ -155,6 +158,17 @@ def on_regenerated_data(job: JobConfig, target: FrozenTarget) -> tuple[JobConfig
     return dataclasses.replace(job, data=data), regenerated, describe_regenerated(job)
 
 
+def _check_resume(job: JobConfig, target: FrozenTarget, prepared) -> None:
+    """The training loop's resume refusals (train.checkpoint.find_resume), before this job writes
+    anything into a run folder that holds another run's checkpoints."""
+    from train.checkpoint import check_resume
+    from train.distributed import launched_world_size
+    from train.run_identity import run_identity
+
+    identity = run_identity(job, target, prepared.train, launched_world_size())
+    check_resume(job.trainer.resume, Path(job.trainer.output_dir) / "checkpoints", identity)
+
+
 def _check_eval_prompts(job: JobConfig, target: FrozenTarget) -> None:
     """Refuse a job whose eval stage would find no prompt, before it trains (a prompts file with
     a bad line is named by its reader here too)."""
@@ -183,9 +197,14 @@ def _eval_and_export(job: JobConfig, target: FrozenTarget, checkpoint: Path, run
 
     if "export" in job.stages:
         from export.writer import export_all
+        from train.checkpoint import trained_data
 
         known = {**known, **summary}  # an export-only re-run keeps the training run's figures
-        extra = {"training": _training_figures(known), "eval": _eval_figures(known)}
+        trained = trained_data(checkpoint)
+        if trained is None:
+            log.warning("%s records no size of the data it trained on (not a checkpoint, or saved by an older "
+                        "specheads): the manifest leaves train_records and train_tokens empty", checkpoint)
+        extra = {"training": _training_figures(known, trained), "eval": _eval_figures(known)}
         runtime = (known.get("eval") or {}).get("recommended_runtime")
         if runtime:
             extra["runtime"] = RecommendedRuntime.from_dict(runtime)
@@ -263,9 +282,11 @@ def _earlier_summary(run_dir: Path) -> dict:
     return {key: values[key] for key in ("data", "train", "eval") if key in values}
 
 
-def _training_figures(summary: dict) -> dict:
+def _training_figures(summary: dict, trained: dict | None) -> dict:
+    """The manifest's `training` section. `trained`: the size of the data the head trained on, from
+    its checkpoint's run identity; the run folder's data stage may have prepared other data since."""
     train = summary.get("train") or {}
-    data = (summary.get("data") or {}).get("train", {})
+    data = trained or {}
     return {"recipe": train.get("recipe", summary.get("recipe")), "data_source": train.get("data_source"),
             "steps": train.get("steps"), "held_out": train.get("final_eval"), "best": train.get("best_eval"),
             "train_records": data.get("records"), "train_tokens": data.get("tokens"),

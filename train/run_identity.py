@@ -3,9 +3,10 @@ change the weights (the tokenizer and chat template act through the rows' token 
 which the data hash covers). Every checkpoint records it, and a resume refuses a checkpoint of another run
 instead of crediting new data (or another model) to old weights.
 
-The identity is `{"id": hash, "fields": {dotted name: value}}`; the fields are small values (hashes
-of the data and the target, head options, the data-order settings), so a refusal names what
-changed. Not part of it: the step budget (max_steps, max_minutes), the learning-rate schedule and
+The identity is `{"id": hash, "fields": {dotted name: value}, "data": {"records", "tokens"}}`; the
+fields are small values (hashes of the data and the target, head options, the data-order
+settings), so a refusal names what changed. `data` is the size of the training rows, what an
+export credits the head with; it is not compared (the rows' hash covers it). Not part of it: the step budget (max_steps, max_minutes), the learning-rate schedule and
 the evaluation or saving cadence; a resume may change those to train longer or otherwise.
 """
 from __future__ import annotations
@@ -39,6 +40,16 @@ def data_fingerprint(rows) -> str:
     return digest.hexdigest()[:16]
 
 
+def data_size(rows) -> dict:
+    """{"records", "tokens"} of the training rows (a datasets.Dataset with a `length` column, or
+    dicts with input_ids)."""
+    if hasattr(rows, "column_names") and "length" in rows.column_names:
+        tokens = sum(rows["length"])
+    else:
+        tokens = sum(len(row["input_ids"]) for row in rows)
+    return {"records": len(rows), "tokens": int(tokens)}
+
+
 def _head_options(heads) -> dict:
     """heads.* of the trained type, flattened (other types' options and eval-only settings left out)."""
     values = dataclasses.asdict(heads)
@@ -66,7 +77,7 @@ def run_identity(job, target, rows, world_size: int = 1) -> dict:
         "trainer.init_from": t.init_from,
     }
     text = json.dumps(fields, sort_keys=True, default=str)
-    return {"id": hashlib.sha256(text.encode()).hexdigest()[:16], "fields": fields}
+    return {"id": hashlib.sha256(text.encode()).hexdigest()[:16], "fields": fields, "data": data_size(rows)}
 
 
 def identity_differences(saved: dict, current: dict) -> list[str]:

@@ -59,6 +59,25 @@ def test_a_job_whose_eval_would_have_no_prompt_is_refused_before_training(tiny_c
                                            "stages=[data,train]"))
 
 
+def test_an_export_credits_the_data_the_head_trained_on(tiny_chat_model, tmp_path):
+    from train.checkpoint import CheckpointError
+
+    trained = run_job(pipeline_job(tiny_chat_model, tmp_path, "run", 1, "stages=[data,train]"))["data"]["train"]
+    stats = tmp_path / "run" / "data_stats.json"
+    before = stats.read_text()
+    # Other data into the same folder: the resume is refused before the data stage's record is replaced.
+    with pytest.raises(CheckpointError, match="data.train_rows"):
+        run_job(pipeline_job(tiny_chat_model, tmp_path, "run", 1, "stages=[data,train]", records="6"))
+    assert stats.read_text() == before
+    # The data stage alone may prepare other data there; an export still names what the head saw.
+    run_job(pipeline_job(tiny_chat_model, tmp_path, "run", 1, "stages=[data]", records="6"))
+    assert json.loads(stats.read_text())["train"]["records"] == 6 != trained["records"]
+    run_job(pipeline_job(tiny_chat_model, tmp_path, "run", 1, "stages=[export]", "export.formats=[native]",
+                         f"export.out={tmp_path / 'x'}"))
+    training = json.loads((tmp_path / "x" / "native" / "specheads.json").read_text())["training"]
+    assert (training["train_records"], training["train_tokens"]) == (trained["records"], trained["tokens"])
+
+
 @pytest.mark.integration
 @pytest.mark.parametrize("batch_size", [1, 4])  # 1: the lean runtime; 4: transformers' batched generate
 def test_self_distilled_offline_job(tiny_chat_model, tmp_path, batch_size):
