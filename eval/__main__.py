@@ -38,6 +38,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from data.config import DataConfig
 from eval.config import RuntimeConfig, check_runtime, wandb_mode
+from heads.checks import known_fields
 from heads.cli import exit_status, hydra_argv, sweep_output
 from heads.target import TargetConfig
 
@@ -99,6 +100,7 @@ def load_eval_head(head: str, target, strict_fingerprint: bool = True):
 
 def check_eval_config(cfg: EvalEntryConfig) -> None:
     """The checks `python -m train` runs on the same settings, before any model loads."""
+    known_fields(cfg)
     check_runtime(cfg.runtime)
     if cfg.engine is not None:
         from eval.engine import ENGINES

@@ -7,7 +7,7 @@ from data.config import DataConfig
 from eval.config import RuntimeConfig, check_runtime
 from export.config import ExportConfig
 from export.formats import get_format
-from heads.checks import choice
+from heads.checks import choice, known_fields
 from heads.config import HeadsConfig
 from heads.target import TargetConfig
 from train.config import DeepSpeedConfig, LoggerConfig, TrainerConfig
@@ -57,6 +57,7 @@ def validate_job(job: JobConfig) -> JobConfig:
     section checks its own fields (`check()`, `eval.config.check_runtime`); this function adds the
     rules that relate fields of different sections."""
     try:
+        known_fields(job)
         if not isinstance(job.stages, list):
             raise ValueError(f"stages={job.stages!r} must be a list of {list(STAGES)}")
         for stage in job.stages:

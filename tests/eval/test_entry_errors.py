@@ -21,6 +21,7 @@ def _no_target(config):
     ("model.dtype=fp8", "model.dtype='fp8'"),
     ("engine=sglang", "engine='sglang' is not one of ['vllm']"),
     ("engine=vllm", "engine=vllm measures a head's export: give head=DIR"),
+    ("+runtime.tree_totl_tokens=4", "runtime.tree_totl_tokens is not a setting: did you mean runtime.tree_total_tokens?"),
 ])
 def test_settings_are_checked_before_the_target_loads(monkeypatch, capsys, override, message):
     monkeypatch.setattr("heads.target.load_target", _no_target)

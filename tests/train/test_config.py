@@ -76,6 +76,24 @@ def test_unknown_key_or_wrong_type_names_the_key(override, key):
     assert key in str(info.value)
 
 
+@pytest.mark.parametrize("override, message", [
+    ("+trainer.learnin_rate=1e-3", "trainer.learnin_rate is not a setting: did you mean trainer.learning_rate?"),
+    ("+heads.eagle.feature_los_weight=2", "did you mean heads.eagle.feature_loss_weight?"),
+    ("+zzz=1", "zzz is not a setting: the settings here are ['data', 'deepspeed', "),
+])
+def test_an_added_key_no_setting_takes_is_refused_naming_the_closest(override, message):
+    with pytest.raises(ConfigError) as info:
+        compose_job([override])
+    assert message in str(info.value)
+
+
+def test_python_m_train_reports_an_added_unknown_key_as_one_line(capsys):
+    from train.__main__ import cli
+
+    assert cli(["+trainer.learnin_rate=1e-3", "trainer.dry_run=true"]) == 2  # dry run: nothing loads even if accepted
+    assert "did you mean trainer.learning_rate?" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("override, key", [
     ("trainer.max_steps=0", "trainer.max_steps"),
     ("trainer.learning_rate=-1", "trainer.learning_rate"),
