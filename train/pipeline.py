@@ -128,6 +128,8 @@ def run_job(job: JobConfig) -> dict:
                             "final_eval": result.final_eval,
                             "best_checkpoint": str(result.best_checkpoint or result.last_checkpoint)}
         checkpoint = result.best_checkpoint or result.last_checkpoint
+        if int(os.environ.get("RANK", "0")) == 0:  # a later stage that fails keeps the training figures
+            _write_json(run_dir / "job_summary.json", {**earlier, **summary})
     else:
         checkpoint = Path(job.trainer.init_from) if job.trainer.init_from else _latest_checkpoint(run_dir)
     if {"eval", "export"} & set(job.stages):

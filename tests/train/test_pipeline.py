@@ -41,6 +41,21 @@ def test_job_runs_every_stage(tiny_chat_model, tmp_path):
     assert resumed["train"]["steps"] == 1
 
 
+def test_a_failed_eval_keeps_the_training_figures_for_a_later_export(tiny_chat_model, tmp_path, monkeypatch):
+    def broken_eval(*args, **kwargs):
+        raise RuntimeError("eval broke")
+
+    monkeypatch.setattr("eval.stage.run_eval_stage", broken_eval)
+    job = pipeline_job(tiny_chat_model, tmp_path, "run", 2, "runtime.num_prompts=1", "runtime.max_new_tokens=4")
+    with pytest.raises(RuntimeError, match="eval broke"):
+        run_job(job)
+    monkeypatch.undo()
+    again = run_job(pipeline_job(tiny_chat_model, tmp_path, "run", 2, "stages=[export]", f"export.out={tmp_path / 'x'}"))
+    manifest = json.loads((tmp_path / "x" / "native" / "specheads.json").read_text())
+    assert manifest["training"]["steps"] == 2 and manifest["training"]["held_out"], manifest["training"]
+    assert set(again["export"]) >= {"native"}
+
+
 def test_a_job_whose_eval_would_have_no_prompt_is_refused_before_training(tiny_chat_model, tmp_path):
     # 24 conversations, 2% held out: the split holds none of them back
     job = pipeline_job(tiny_chat_model, tmp_path, "run", 2, "data.eval_fraction=0.02")
