@@ -159,9 +159,10 @@ def rates(counters: Sequence[dict], k: int) -> dict:
 
 def training_estimate(manifest: dict, k: int) -> dict | None:
     """Training's held-out estimate at K: position i accepted with the product of the held-out
-    top-1 of draft steps 0..i-1 (the loop's acceptance estimate, cut at K)."""
+    top-1 of draft steps (Medusa: heads) 0..i-1 (the loop's acceptance estimate, cut at K)."""
     held_out = (manifest.get("training") or {}).get("held_out") or {}
-    accuracies = [held_out.get(f"eval/top1_step{i}") for i in range(k)]
+    unit = "head" if "eval/top1_head0" in held_out else "step"  # Medusa: head i drafts position i+1
+    accuracies = [held_out.get(f"eval/top1_{unit}{i}") for i in range(k)]
     if not accuracies or accuracies[0] is None:
         return None
     rates, survive = [], 1.0
