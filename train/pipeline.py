@@ -71,13 +71,24 @@ def _write_json(path: Path, values: dict) -> None:
 
 
 def run_job(job: JobConfig) -> dict:
-    """Run the configured stages; returns a summary (also written to <run_dir>/job_summary.json)."""
-    run_dir = Path(job.trainer.output_dir)
+    """Run the configured stages; returns a summary (also written to <run_dir>/job_summary.json).
+    The main process holds the run folder's lock meanwhile (train/run_lock.py): a second job into
+    the same folder is refused, naming this one's pid."""
     if job.trainer.dry_run:
         from train.plan import format_plan, make_plan
 
         print(format_plan(make_plan(job)))
         return {"dry_run": True}
+    if not _main_process():  # the other processes of a launch write within the main one's lock
+        return _run_stages(job)
+    from train.run_lock import run_folder_lock
+
+    with run_folder_lock(job.trainer.output_dir):
+        return _run_stages(job)
+
+
+def _run_stages(job: JobConfig) -> dict:
+    run_dir = Path(job.trainer.output_dir)
     started = time.time()
     earlier = _earlier_summary(run_dir)
     log.info("job %s: stages %s, run folder %s", job.recipe, job.stages, run_dir)
