@@ -41,26 +41,30 @@ def _record(out: Path, names: set[str]) -> None:
 
 def _not_a_file(out: Path) -> None:
     if out.exists() and not out.is_dir():
-        raise OutFolderError(f"out={out} is a file, not a folder; choose another out=")
+        raise OutFolderError(f"{out} is a file, not a folder; eval writes its reports into a folder")
 
 
-def check_out_folder(out: str | os.PathLike, overwrite: bool = False) -> None:
-    """Refuse `out` when it holds anything an earlier eval did not record (a user's files). With
-    `overwrite`, what it holds becomes eval's to replace: it is recorded now."""
+def check_out_folder(out: str | os.PathLike, overwrite: bool = False, written: Iterable[str] = (),
+                     advice: str = "choose another out=, or pass overwrite=true to let eval replace what is there"
+                     ) -> None:
+    """Refuse `out` when it holds anything an earlier eval did not record (a user's files), saying
+    `advice`. `written`: names another record says an eval wrote there (a job's job_summary.json,
+    from before eval kept its own). With `overwrite`, what `out` holds becomes eval's to replace.
+    What is accepted is recorded now, so the writers' `claim` accepts it too."""
     out = Path(out)
     _not_a_file(out)
     if not out.is_dir():
         return
     recorded = _recorded(out)
-    foreign = sorted(entry.name for entry in out.iterdir() if entry.name not in recorded | {RECORD_NAME})
-    if not foreign:
-        return
-    if not overwrite:
+    present = {entry.name for entry in out.iterdir()} - {RECORD_NAME}
+    known = recorded | (present & set(written))
+    foreign = sorted(present - known)
+    if foreign and not overwrite:
         shown = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
-        raise OutFolderError(f"out={out} holds files eval did not write ({shown}); eval writes report.json, "
-                             "report.md and plots there: choose another out=, or pass overwrite=true to let eval "
-                             "replace what is there")
-    _record(out, recorded | set(foreign))
+        raise OutFolderError(f"{out} holds files eval did not write ({shown}); eval writes report.json, "
+                             f"report.md and plots there: {advice}")
+    if known | set(foreign) != recorded:
+        _record(out, known | set(foreign))
 
 
 def claim(out: str | os.PathLike, names: Iterable[str]) -> None:
@@ -73,7 +77,7 @@ def claim(out: str | os.PathLike, names: Iterable[str]) -> None:
     recorded = _recorded(out)
     theirs = sorted(name for name in names - recorded if os.path.lexists(out / name))
     if theirs:
-        raise OutFolderError(f"out={out} holds {', '.join(theirs)}, which eval did not write; it is not replaced: "
-                             "choose another out=, or pass overwrite=true (python -m eval) to let eval replace it")
+        raise OutFolderError(f"{out} holds {', '.join(theirs)}, which eval did not write; it is not replaced: "
+                             "choose another folder, or pass overwrite=true (python -m eval) to let eval replace it")
     if not names <= recorded:
         _record(out, recorded | names)

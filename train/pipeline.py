@@ -97,7 +97,8 @@ def _run_stages(job: JobConfig) -> dict:
     if "eval" in job.stages:
         from eval.out_folder import check_out_folder
 
-        check_out_folder(run_dir / "eval")  # a user's files there are refused before any model loads
+        check_out_folder(run_dir / "eval", written=_eval_files(earlier),  # a user's files there: refused now
+                         advice="move them out of it, or the run folder away (trainer.output_dir)")
     target = load_job_target(job)
     check_arch(job, target)
     summary: dict = {"recipe": job.recipe, "target": target.name, "fingerprint": target.fingerprint(),
@@ -293,6 +294,12 @@ def _earlier_summary(run_dir: Path) -> dict:
     except json.JSONDecodeError:
         return {}
     return {key: values[key] for key in ("data", "train", "eval") if key in values}
+
+
+def _eval_files(summary: dict) -> list[str]:
+    """Names of the files an earlier eval stage of this job wrote, as its job summary lists them."""
+    files = ((summary.get("eval") or {}).get("files") or {}).values()
+    return [Path(path).name for path in files if isinstance(path, str)]
 
 
 def _training_figures(summary: dict, trained: dict | None) -> dict:

@@ -68,6 +68,13 @@ def test_a_job_refuses_a_users_file_in_its_eval_folder_before_the_target_loads(t
     (tmp_path / "run").mkdir()
     _user_folder(tmp_path / "run" / "eval")
     monkeypatch.setattr("train.pipeline.load_job_target", _no_target)
-    with pytest.raises(OutFolderError, match="eval did not write"):
-        run_job(pipeline_job(tiny_chat_model, tmp_path, "run", 1, "stages=[eval]"))
+    job = pipeline_job(tiny_chat_model, tmp_path, "run", 1, "stages=[eval]")
+    with pytest.raises(OutFolderError, match=r"holds files eval did not write.*move them out of it"):
+        run_job(job)
     assert (tmp_path / "run" / "eval" / "report.md").read_text() == "my notes"
+    # An eval stage from before eval kept its own record: the job summary names what it wrote.
+    files = {"json": str(tmp_path / "run" / "eval" / "report.json"), "markdown": "run/eval/report.md"}
+    (tmp_path / "run" / "job_summary.json").write_text(json.dumps({"eval": {"files": files}}))
+    with pytest.raises(AssertionError, match="must not load"):  # past the check: the target would load now
+        run_job(job)
+    check_out_folder(tmp_path / "run" / "eval")
