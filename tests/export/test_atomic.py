@@ -1,6 +1,7 @@
 """A crash while exporting leaves nothing that looks like a valid export; W&B gets the artifact."""
 from __future__ import annotations
 
+import json
 import sys
 import types
 
@@ -82,7 +83,11 @@ def test_failed_rename_restores_the_previous_export(tmp_path, target, monkeypatc
 def test_reexport_replaces_the_folder(tmp_path, target):
     head, config = make_eagle(target)
     out = export_head(head, config, "eagle", tmp_path / "out", target)
+    # A file the earlier export wrote (its manifest lists it) and this one does not write goes with it.
     (out / "stale.txt").write_text("from an older export")
+    manifest = json.loads((out / "specheads.json").read_text())
+    manifest["files"]["stale.txt"] = {"sha256": "0" * 64, "bytes": 20}
+    (out / "specheads.json").write_text(json.dumps(manifest))
     export_head(head, config, "eagle", out, target, dtype="float16")
     assert validate_export(out)["dtype"] == "float16" and not (out / "stale.txt").exists()
 
