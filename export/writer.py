@@ -180,8 +180,9 @@ def export_head(head: nn.Module, config, fmt: str, out_dir: str | os.PathLike, t
     accuracies, ...) and `eval` (tau, speedup, hardware, ...), `notes` (list
     of str), `base_model_id` (hub id engines load the base by). An existing `out_dir` is replaced
     only when it is an earlier export of the same format and head type, or with `overwrite` any
-    export (`check_destination`); files in it that the earlier export did not write are kept. Returns the folder; it is validated before it is renamed into
-    place, and logged as a W&B artifact when a run is active.
+    export (`check_destination`); files in it that the earlier export did not write are kept.
+    Returns the folder; it is validated before it is renamed into place, and logged as a W&B
+    artifact when a run is active.
     """
     layout = get_format(fmt)
     kind = head_type(config)

@@ -6,8 +6,9 @@ instead of crediting new data (or another model) to old weights.
 The identity is `{"id": hash, "fields": {dotted name: value}, "data": {"records", "tokens"}}`; the
 fields are small values (hashes of the data and the target, head options, the data-order
 settings), so a refusal names what changed. `data` is the size of the training rows, what an
-export credits the head with; it is not compared (the rows' hash covers it). Not part of it: the step budget (max_steps, max_minutes), the learning-rate schedule and
-the evaluation or saving cadence; a resume may change those to train longer or otherwise.
+export credits the head with; it is not compared (the rows' hash covers it). Not part of it: the
+step budget (max_steps, max_minutes), the learning-rate schedule and the evaluation or saving
+cadence; a resume may change those to train longer or otherwise.
 """
 from __future__ import annotations
 
