@@ -68,39 +68,19 @@ def base_folder(target) -> Path:
     return path
 
 
-def engine_folder(head_folder: str | os.PathLike, head, config, target, work: Path) -> Path:
-    """The folder of the layout vLLM loads for this head: `head_folder` itself when it is one, its
-    subfolder of that layout (a release head's `speculators/`), else an export into `work`."""
-    from export import export_head
-    from export.manifest import MANIFEST_NAME
-    from heads.io import head_type
-
-    layout = VLLM_LAYOUTS[head_type(config)]
-    folder = Path(head_folder)
-    for candidate in (folder, folder / layout):
-        manifest = candidate / MANIFEST_NAME
-        if manifest.is_file() and json.loads(manifest.read_text()).get("format") in VLLM_METHODS:
-            return candidate
-    out = work / layout
-    log.info("exporting the head as %s into %s for the engine", layout, out)
-    return export_head(head, config, layout, out, target, dtype="float32")
-
-
 @dataclass
 class EngineCase:
-    """One speculative run in the engine: a name, the folder it loads, K, and how many of the
-    job's prompts it runs (None: all)."""
+    """One speculative run in the engine: a name, the folder it loads, K, the engine's method for
+    that folder's layout (VLLM_METHODS) and how many of the job's prompts it runs (None: all)."""
 
     name: str
     folder: Path
     k: int
+    method: str
     prompts: int | None = None
 
     def job(self) -> dict:
-        from export.validate import read_manifest
-
-        method = VLLM_METHODS[read_manifest(self.folder)["format"]]
-        return {"name": self.name, "method": method, "model": str(self.folder.resolve()), "k": self.k,
+        return {"name": self.name, "method": self.method, "model": str(Path(self.folder).resolve()), "k": self.k,
                 "prompts": self.prompts}
 
 
@@ -109,6 +89,7 @@ def run_vllm(target, prompts: Sequence[Sequence[int]], cases: Sequence[EngineCas
              threads: int | None = None, python: Path | None = None, timeout: int = 1800) -> dict:
     """Run the engine's plain decoding (`plain`) and each case on `prompts`; returns
     scripts/vllm_check.py's answer ({version, runs: [{name, tokens, seconds, spec}]})."""
+    work = Path(work).resolve()  # the engine runs in `work`: every path it reads is absolute
     work.mkdir(parents=True, exist_ok=True)
     job = {"target": str(base_folder(target)), "dtype": dtype, "prompts": [list(map(int, p)) for p in prompts],
            "max_tokens": max_tokens, "temperature": temperature, "seed": seed, "plain": plain,

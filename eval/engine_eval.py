@@ -12,8 +12,8 @@ from pathlib import Path
 from typing import Sequence
 
 from eval.config import RuntimeConfig
-from eval.engine import (ENGINES, TOLERANCE, EngineCase, EngineError, agreement, engine_folder, rates, run_ours,
-                         run_vllm, sampled_tolerance, training_estimate)
+from eval.engine import (ENGINES, TOLERANCE, EngineCase, EngineError, agreement, rates, run_ours, run_vllm,
+                         sampled_tolerance, training_estimate)
 from eval.out_folder import claim
 from eval.timing import cpu_hardware
 
@@ -59,40 +59,41 @@ def _select(run: dict, indices: list[int]) -> dict:
 
 @dataclass
 class EngineHead:
-    """A head to measure in the engine: its folder (checkpoint, export or release head) and extra
-    (name, folder, prompts) cases the engine runs at the same K, each compared with our chain for
-    this head on its first `prompts` prompts (None: all): a test's deliberately damaged exports."""
+    """A head to measure in the engine (built by eval.stage.engine_heads): where it came from
+    (`source`), the head itself and its manifest, the folder of the layout the engine loads and
+    the engine's method for it, and extra (name, folder, prompts) cases the engine runs at the same
+    K, each compared with our chain for this head on its first `prompts` prompts (None: all): a
+    test's deliberately damaged exports."""
 
+    source: Path
+    head: object
+    manifest: dict
     folder: Path
+    method: str
     broken: Sequence[tuple[str, Path, int | None]] = ()
 
 
-def measure_engine(target, heads: Sequence[EngineHead | str | os.PathLike], prompts: Sequence[dict],
-                   runtime: RuntimeConfig, out_dir: str | os.PathLike, k: int | None = None, engine: str = "vllm",
+def measure_engine(target, heads: Sequence[EngineHead], prompts: Sequence[dict], runtime: RuntimeConfig,
+                   out_dir: str | os.PathLike, k: int | None = None, engine: str = "vllm",
                    transformers: bool = True, python: Path | None = None) -> dict:
     """The engine comparison for each head, one run of each side (plain decoding shared).
     `prompts`: dicts with `prompt_ids` (and `category`). Returns the report (also written to
     out_dir as report.json and report.md)."""
-    from export import load_export
-
     if engine not in ENGINES:
         raise ValueError(f"engine={engine!r} is not one of {list(ENGINES)}")
-    heads = [h if isinstance(h, EngineHead) else EngineHead(Path(h)) for h in heads]
     if not heads:
         raise ValueError("engine comparison: no head (give head=DIR)")
     out_dir = Path(out_dir)
-    claim(out_dir, ["report.json", "report.md", "engine_work", *(f"engine_export_{i}" for i in range(len(heads)))])
-    loaded = [load_export(h.folder, target, dtype="float32") for h in heads]
-    k = _k(loaded[0][2], runtime, k)
+    claim(out_dir, ["report.json", "report.md", "engine_work"])
+    k = _k(heads[0].manifest, runtime, k)
     dtype = "bfloat16" if runtime.dtype in ("bfloat16", "bf16") else "float32"
-    folders = [engine_folder(h.folder, head, config, target, out_dir / f"engine_export_{i}")
-               for i, (h, (head, config, _)) in enumerate(zip(heads, loaded))]
+    folders = [h.folder for h in heads]
     ids = [list(p["prompt_ids"]) for p in prompts]
-    ours = run_ours(target, [head.eval() for head, _, _ in loaded], ids, k, runtime, dtype, transformers)
+    ours = run_ours(target, [h.head.eval() for h in heads], ids, k, runtime, dtype, transformers)
     cases = []
-    for i, (h, folder) in enumerate(zip(heads, folders)):
-        cases.append(EngineCase(f"head{i}", folder, k))
-        cases += [EngineCase(f"head{i}:{name}", Path(path), k, count) for name, path, count in h.broken]
+    for i, h in enumerate(heads):
+        cases.append(EngineCase(f"head{i}", h.folder, k, h.method))
+        cases += [EngineCase(f"head{i}:{name}", Path(path), k, h.method, count) for name, path, count in h.broken]
     answer = run_vllm(target, ids, cases, runtime.max_new_tokens, runtime.temperature, runtime.seed,
                       out_dir / "engine_work", dtype, threads=runtime.threads or None, python=python)
     runs = {run["name"]: run for run in answer["runs"]}
@@ -109,9 +110,8 @@ def measure_engine(target, heads: Sequence[EngineHead | str | os.PathLike], prom
         "temperature": runtime.temperature, "max_new_tokens": runtime.max_new_tokens, "prompts": len(ids),
         "speed": speed,
         "tokens": {"engine_plain_vs_ours_plain": _identical(engine_plain["tokens"], ours["plain"]["tokens"])},
-        "heads": [_head_report(h, folder, manifest, case, runs, ours, chain, engine_plain, prompts, runtime, k)
-                  for h, folder, (_, _, manifest), case, chain in
-                  zip(heads, folders, loaded, [c for c in cases if ":" not in c.name], ours["chains"])],
+        "heads": [_head_report(h, case, runs, ours, chain, engine_plain, prompts, runtime, k)
+                  for h, case, chain in zip(heads, [c for c in cases if ":" not in c.name], ours["chains"])],
         "notes": NOTES,
     }
     (out_dir / "report.json").write_text(json.dumps(report, indent=2))
@@ -128,8 +128,9 @@ NOTES = [
 ]
 
 
-def _head_report(head: EngineHead, folder: Path, manifest: dict, case: EngineCase, runs: dict, ours: dict,
-                 chain_run: dict, engine_plain: dict, prompts: Sequence[dict], runtime: RuntimeConfig, k: int) -> dict:
+def _head_report(head: EngineHead, case: EngineCase, runs: dict, ours: dict, chain_run: dict, engine_plain: dict,
+                 prompts: Sequence[dict], runtime: RuntimeConfig, k: int) -> dict:
+    folder, manifest = head.folder, head.manifest
     run = runs[case.name]
     if "error" in run:
         raise EngineError(f"vLLM refused {folder}: {run['error']}")
@@ -137,8 +138,8 @@ def _head_report(head: EngineHead, folder: Path, manifest: dict, case: EngineCas
     engine_rates = rates(run["per_prompt"], k)
     tolerance = TOLERANCE if runtime.temperature == 0 else sampled_tolerance(chain["drafts"])
     report = {
-        "head": str(head.folder), "head_type": manifest.get("head_type"), "engine_folder": str(folder),
-        "method": case.job()["method"],
+        "head": str(head.source), "head_type": manifest.get("head_type"), "engine_folder": str(folder),
+        "method": head.method,
         "rows": {"engine": engine_rates, "ours_chain": chain, "training_estimate": training_estimate(manifest, k)},
         "agreement": agreement(chain, engine_rates, tolerance),
         "tokens": {"engine_speculative_vs_engine_plain": _identical(run["tokens"], engine_plain["tokens"]),

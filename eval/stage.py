@@ -68,16 +68,60 @@ def select_drafters(names: Sequence[str], head) -> list[str]:
     return kept
 
 
+def engine_heads(target, folders: Sequence, work: str | os.PathLike) -> list:
+    """Head folders (or (folder, broken cases) pairs) -> eval.engine_eval.EngineHead each: the head
+    read by the one head loader, and the folder of the layout vLLM loads for it (the folder itself
+    when it is one, its subfolder of that layout as a release head has, else an export of the
+    head into `work`)."""
+    import json
+
+    from eval.engine import VLLM_LAYOUTS, VLLM_METHODS
+    from eval.engine_eval import EngineHead
+    from export import export_head, load_export
+    from export.manifest import MANIFEST_NAME
+    from heads.io import head_type
+
+    heads = []
+    for index, item in enumerate(folders):
+        folder, broken = (item, ()) if isinstance(item, (str, os.PathLike)) else item
+        folder = Path(folder)
+        head, config, manifest = load_export(folder, target, dtype="float32")
+        layout = VLLM_LAYOUTS[head_type(config)]
+        engine_folder = None
+        for candidate in (folder, folder / layout):
+            if (candidate / MANIFEST_NAME).is_file():
+                fmt = json.loads((candidate / MANIFEST_NAME).read_text()).get("format")
+                if fmt in VLLM_METHODS:
+                    engine_folder = candidate
+                    break
+        if engine_folder is None:
+            out = Path(work) / f"engine_export_{index}" / layout
+            log.info("exporting %s as %s into %s for the engine", folder, layout, out)
+            engine_folder, fmt = export_head(head, config, layout, out, target, dtype="float32"), layout
+        heads.append(EngineHead(folder, head, manifest, engine_folder, VLLM_METHODS[fmt], list(broken)))
+    return heads
+
+
+def run_engine_comparison(target, folders: Sequence, prompts: Sequence[dict], runtime: RuntimeConfig,
+                          out_dir: str | os.PathLike, k: int | None = None, engine: str = "vllm",
+                          transformers: bool = True) -> dict:
+    """The engine comparison (eval/engine_eval.py) of head folders on `prompts`: the engine's
+    acceptance beside our runtime's chain at the same K and training's estimate."""
+    from eval.engine_eval import measure_engine
+    from eval.out_folder import claim
+
+    claim(out_dir, ["engine_exports"])
+    heads = engine_heads(target, folders, Path(out_dir) / "engine_exports")
+    return measure_engine(target, heads, prompts, runtime, out_dir, k, engine, transformers)
+
+
 def run_engine_stage(target, runtime: RuntimeConfig, data: DataConfig, out_dir: str | os.PathLike,
                      head_folder: str | os.PathLike, engine: str = "vllm", k: int | None = None,
                      prompts_file: str | None = None) -> dict:
-    """The engine comparison (eval/engine_eval.py) of one head folder on the eval prompts: the
-    engine's acceptance beside our runtime's chain at the same K and training's estimate."""
-    from eval.engine_eval import measure_engine
-
+    """`python -m eval head=DIR engine=vllm`: the engine comparison of one head on the eval prompts."""
     prompts = eval_prompt_records(runtime, data, target.tokenizer, prompts_file)
-    report = measure_engine(target, [head_folder], prompts, runtime, out_dir, k, engine,
-                            transformers=runtime.compare_transformers)
+    report = run_engine_comparison(target, [head_folder], prompts, runtime, out_dir, k, engine,
+                                   runtime.compare_transformers)
     report["files"] = {"json": str(Path(out_dir) / "report.json"), "markdown": str(Path(out_dir) / "report.md")}
     return report
 

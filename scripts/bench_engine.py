@@ -39,8 +39,7 @@ def main() -> None:
 
     from data.config import DataConfig
     from eval.config import RuntimeConfig
-    from eval.engine_eval import measure_engine
-    from eval.stage import eval_prompt_records
+    from eval.stage import eval_prompt_records, run_engine_comparison
     from heads.target import TargetConfig, load_target
 
     torch.set_num_threads(args.threads)
@@ -49,7 +48,7 @@ def main() -> None:
                             dtype=args.dtype, threads=args.threads, prompts_file=args.prompts_file)
     target = load_target(TargetConfig(device="cpu"))
     prompts = eval_prompt_records(runtime, DataConfig(), target.tokenizer)
-    measure_engine(target, heads, prompts, runtime, args.out, args.k, transformers=not args.no_transformers)
+    run_engine_comparison(target, heads, prompts, runtime, args.out, args.k, transformers=not args.no_transformers)
     print((args.out / "report.md").read_text())
 
 

@@ -11,8 +11,9 @@ import pytest
 import torch
 
 from eval.config import RuntimeConfig
-from eval.engine import (TOLERANCE, EngineError, agreement, engine_folder, rates, run_ours, run_vllm,
-                         sampled_tolerance, step_counters, training_estimate)
+from eval.engine import (TOLERANCE, EngineError, agreement, rates, run_ours, run_vllm, sampled_tolerance,
+                         step_counters, training_estimate)
+from eval.stage import engine_heads
 from export import export_head
 from tests.export.conftest import make_eagle, make_medusa
 from tests.tiny import tiny_eagle_setup, tiny_target
@@ -52,16 +53,21 @@ def test_the_engine_gets_the_layout_it_loads(tmp_path):
     target = tiny_target()
     head, config = make_eagle(target)
     native = export_head(head, config, "native", tmp_path / "native", target, dtype="float32")
-    exported = engine_folder(native, head, config, target, tmp_path / "work")
-    assert exported == tmp_path / "work" / "eagle_vllm"
-    assert json.loads((exported / "specheads.json").read_text())["format"] == "eagle_vllm"
-    assert engine_folder(exported, head, config, target, tmp_path / "other") == exported  # used as written
+    (exported,) = engine_heads(target, [native], tmp_path / "work")
+    assert exported.folder == tmp_path / "work" / "engine_export_0" / "eagle_vllm" and exported.method == "eagle"
+    assert json.loads((exported.folder / "specheads.json").read_text())["format"] == "eagle_vllm"
+    assert exported.source == native and exported.manifest["format"] == "native"
+    (again,) = engine_heads(target, [exported.folder], tmp_path / "other")
+    assert again.folder == exported.folder  # an engine layout is used as written
     release = tmp_path / "release"
     export_head(head, config, "native", release, target, dtype="float32")
     export_head(head, config, "eagle_vllm", release / "eagle_vllm", target, dtype="float32")
-    assert engine_folder(release, head, config, target, tmp_path / "w2") == release / "eagle_vllm"
+    (found,) = engine_heads(target, [(release, [("broken", tmp_path / "b", 2)])], tmp_path / "w2")
+    assert found.folder == release / "eagle_vllm" and found.broken == [("broken", tmp_path / "b", 2)]
     medusa, medusa_config = make_medusa(target)
-    assert engine_folder(tmp_path / "none", medusa, medusa_config, target, tmp_path / "w3").name == "medusa_vllm"
+    medusa_native = export_head(medusa, medusa_config, "native", tmp_path / "m", target, dtype="float32")
+    (medusa_head,) = engine_heads(target, [medusa_native], tmp_path / "w3")
+    assert medusa_head.folder.name == "medusa_vllm" and medusa_head.method == "medusa"
 
 
 def test_a_failing_engine_is_one_error_naming_its_log(tmp_path, monkeypatch):

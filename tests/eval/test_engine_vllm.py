@@ -18,7 +18,7 @@ from data.config import DataConfig
 from data.prompts import eval_prompts
 from eval.config import RuntimeConfig
 from eval.engine import TOLERANCE
-from eval.engine_eval import EngineHead, measure_engine
+from eval.stage import run_engine_comparison
 
 RELEASE = Path(__file__).resolve().parents[2] / "heads" / "release"
 EAGLE3 = RELEASE / "eagle3_smollm2_135m"
@@ -64,19 +64,18 @@ def test_vllm_accepts_what_our_runtime_accepts(tmp_path, smollm2):
     aux = json.loads((speculators / "config.json").read_text())["eagle_aux_hidden_state_layer_ids"]
     flag = json.loads((speculators / "config.json").read_text())["norm_before_residual"]
     heads = [
-        EngineHead(EAGLE3, broken=[
+        (EAGLE3, [
             ("aux_layer_ids_shifted", _config_edit(speculators, tmp_path / "aux",
                                                    eagle_aux_hidden_state_layer_ids=[i + 1 for i in aux]),
              BROKEN_PROMPTS),
             ("norm_before_residual_flipped", _config_edit(speculators, tmp_path / "nbr", norm_before_residual=not flag),
              BROKEN_PROMPTS),
             ("d2t_shifted", _d2t_shifted(speculators, tmp_path / "d2t"), BROKEN_PROMPTS)]),
-        EngineHead(eagle_vllm, broken=[
-            ("extra_safetensors", _with_extra_weights(eagle_vllm, tmp_path / "extra"), BROKEN_PROMPTS)]),
+        (eagle_vllm, [("extra_safetensors", _with_extra_weights(eagle_vllm, tmp_path / "extra"), BROKEN_PROMPTS)]),
     ]
     runtime = RuntimeConfig(max_new_tokens=32, temperature=0.0)
     prompts = eval_prompts(DataConfig(), smollm2.tokenizer, 8, runtime.max_prompt_tokens)
-    report = measure_engine(smollm2, heads, prompts, runtime, tmp_path / "report", k=3, transformers=False)
+    report = run_engine_comparison(smollm2, heads, prompts, runtime, tmp_path / "report", k=3, transformers=False)
     print((tmp_path / "report" / "report.md").read_text())
     assert report["engine_version"] == "0.32.0" and report["k"] == 3 and report["prompts"] == 8
     (eagle3, eagle) = report["heads"]
