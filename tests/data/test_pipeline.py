@@ -1,4 +1,5 @@
 import json
+from pathlib import Path
 
 import pytest
 
@@ -126,6 +127,18 @@ def test_load_prompt_file(tmp_path, smollm2_tokenizer):
     path.write_text(json.dumps({"messages": [{"role": "narrator", "content": "x"}]}) + "\n")
     with pytest.raises(ValueError, match="line 1"):
         load_prompt_file(path, smollm2_tokenizer)
+
+
+def test_a_prompts_file_may_give_each_prompt_a_category(tmp_path, smollm2_tokenizer):
+    shipped = Path(__file__).resolve().parents[1] / "assets" / "prompts_by_category.jsonl"
+    prompts = load_prompt_file(shipped, smollm2_tokenizer)
+    assert {p["category"] for p in prompts} == {"code", "math", "writing"} and len(prompts) == 12
+    path = tmp_path / "prompts.jsonl"
+    path.write_text(json.dumps({"prompt": "Hi"}) + "\n" + json.dumps({"prompt": "Hi", "category": 3}) + "\n")
+    with pytest.raises(ValueError, match=r"line 2: 'category' must be a string"):
+        load_prompt_file(path, smollm2_tokenizer)
+    path.write_text(json.dumps({"prompt": "Hi"}) + "\n")
+    assert load_prompt_file(path, smollm2_tokenizer)[0]["category"] is None
 
 
 def test_template_refusals_are_counted_or_name_the_record(tmp_path, smollm2_tokenizer):

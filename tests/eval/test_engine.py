@@ -87,3 +87,51 @@ def test_our_chain_is_lossless_and_counts_what_it_drafted():
     assert row["drafts"] > 0 and row["draft_tokens"] == 3 * row["drafts"]
     counts = row["accepted_per_position_counts"]
     assert counts == sorted(counts, reverse=True) and counts[0] <= row["drafts"]
+
+
+def test_the_report_puts_the_engine_beside_our_chain_per_category(tmp_path, monkeypatch):
+    """measure_engine with a stand-in engine that accepts what our chain accepted on the first
+    prompt and nothing after: the rows, the agreement verdict and a row per category follow."""
+    from eval.engine_eval import EngineHead, measure_engine
+
+    target, _, head = tiny_eagle_setup()
+    prompts = [{"prompt_ids": torch.randint(0, 100, (10,)).tolist(), "category": c} for c in ("code", "chat", "code")]
+    seen = {}
+
+    def engine(target, ids, cases, max_tokens, temperature, seed, work, dtype, threads=None, python=None):
+        seen["cases"] = [case.job() for case in cases]
+        ours = seen["ours"]
+        runs = [{"name": "plain", "tokens": ours["plain"]["tokens"], "seconds": 1.0,
+                 "per_prompt_seconds": [1 / 3] * 3, "new_tokens": ours["plain"]["new_tokens"]}]
+        per_prompt = [ours["chains"][0]["per_prompt"][0]] + [
+            {"drafts": c["drafts"], "draft_tokens": c["draft_tokens"], "accepted_tokens": 0,
+             "accepted_per_position_counts": [0, 0, 0]} for c in ours["chains"][0]["per_prompt"][1:]]
+        runs.append({"name": "head0", "tokens": ours["plain"]["tokens"], "seconds": 1.0,
+                     "per_prompt_seconds": [1 / 3] * 3, "new_tokens": ours["plain"]["new_tokens"],
+                     "per_prompt": per_prompt})
+        return {"version": "stand-in", "runs": runs}
+
+    import eval.engine_eval as engine_eval
+
+    real_ours = engine_eval.run_ours
+    monkeypatch.setattr(engine_eval, "run_ours", lambda *a, **k: seen.setdefault("ours", real_ours(*a, **k)))
+    monkeypatch.setattr(engine_eval, "run_vllm", engine)
+    manifest = {"training": {"held_out": {"eval/top1_step0": 0.5}}}
+    heads = [EngineHead(tmp_path / "head", head, manifest, tmp_path / "engine", "eagle")]
+    report = measure_engine(target, heads, prompts, RuntimeConfig(max_new_tokens=12), tmp_path / "out", k=3,
+                            transformers=False)
+    assert seen["cases"] == [{"name": "head0", "method": "eagle", "model": str((tmp_path / "engine").resolve()),
+                              "k": 3, "prompts": None}]
+    (row,) = report["heads"]
+    ours, theirs = row["rows"]["ours_chain"], row["rows"]["engine"]
+    assert ours["drafts"] == theirs["drafts"] and row["tokens"]["engine_speculative_vs_engine_plain"]["identical"] == 3
+    difference = max(abs(a - b) for a, b in zip(ours["accepted_per_position"], theirs["accepted_per_position"]))
+    assert row["agreement"]["max_abs_difference"] == difference
+    assert row["agreement"]["within_tolerance"] == (difference <= TOLERANCE)
+    assert row["rows"]["training_estimate"]["accepted_per_position"] == [0.5]
+    assert set(row["categories"]) == {"code", "chat"} and row["categories"]["code"]["prompts"] == 2
+    chat = row["categories"]["chat"]
+    assert chat["engine"]["accepted_per_position"] == [0.0, 0.0, 0.0]
+    markdown = (tmp_path / "out" / "report.md").read_text()
+    assert "| code | 2 |" in markdown and "specheads chain" in markdown
+    assert json.loads((tmp_path / "out" / "report.json").read_text())["k"] == 3
