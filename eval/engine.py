@@ -32,7 +32,7 @@ from eval.config import RuntimeConfig
 log = logging.getLogger(__name__)
 REPO = Path(__file__).resolve().parent.parent
 CHECK_SCRIPT = REPO / "scripts" / "vllm_check.py"
-READY = ".specheads-ready"  # written by setup_vllm.sh once the venv imports vLLM
+READY = ".specheads-ready"  # written by a loader venv's set-up script once the venv imports its loader
 ENGINES = ("vllm",)
 # The export layout vLLM loads for each head type, and the speculative method it runs it with.
 VLLM_LAYOUTS = {"eagle3": "speculators", "eagle": "eagle_vllm", "medusa": "medusa_vllm"}
@@ -44,18 +44,25 @@ class EngineError(RuntimeError):
     """The engine could not run a case (it refused the folder, crashed or timed out)."""
 
 
-def vllm_python(venv: str | os.PathLike | None = None) -> Path:
-    """The vLLM venv's python, built by scripts/setup_vllm.sh when missing (one builder at a time)."""
-    venv = Path(venv or os.environ.get("VLLM_VENV") or REPO / ".venv-vllm").resolve()
+def loader_python(venv: str | os.PathLike | None, variable: str, default: str, setup_script: str) -> Path:
+    """The python of a third-party loader's own venv (`venv`, else $`variable`, else REPO/`default`),
+    built by scripts/`setup_script` until the venv holds READY (one builder at a time: the others
+    wait on a lock beside it)."""
+    venv = Path(venv or os.environ.get(variable) or REPO / default).resolve()
     if not (venv / READY).is_file():
         venv.parent.mkdir(parents=True, exist_ok=True)
         with open(venv.parent / f".{venv.name}.lock", "w") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
             if not (venv / READY).is_file():
-                log.info("building the vLLM venv %s (scripts/setup_vllm.sh, ~2 minutes)", venv)
-                subprocess.run(["bash", str(REPO / "scripts" / "setup_vllm.sh")], cwd=REPO, check=True,
-                               env={**os.environ, "VLLM_VENV": str(venv)})
+                log.info("building %s (scripts/%s, a few minutes)", venv, setup_script)
+                subprocess.run(["bash", str(REPO / "scripts" / setup_script)], cwd=REPO, check=True,
+                               env={**os.environ, variable: str(venv)})
     return venv / "bin" / "python"
+
+
+def vllm_python(venv: str | os.PathLike | None = None) -> Path:
+    """The vLLM venv's python (scripts/setup_vllm.sh builds it when missing, ~2 minutes)."""
+    return loader_python(venv, "VLLM_VENV", ".venv-vllm", "setup_vllm.sh")
 
 
 def base_folder(target) -> Path:

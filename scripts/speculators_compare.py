@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import fcntl
 import json
 import os
 import subprocess
@@ -30,21 +29,14 @@ if str(REPO) not in sys.path:
 
 TEXT = ("Speculative decoding drafts a few tokens with a small head and lets the large model check them "
         "all in one forward pass, so the output is exactly what the large model would have written.")
-READY = ".specheads-ready"  # written by setup_speculators.sh once the venv imports speculators
 
 
 def speculators_python(venv: str | os.PathLike | None = None) -> Path:
     """The speculators venv's python, built by scripts/setup_speculators.sh when missing (one
     builder at a time; the others wait on a lock)."""
-    venv = Path(venv or os.environ.get("SPECULATORS_VENV") or REPO / ".venv-speculators").resolve()
-    if not (venv / READY).is_file():
-        venv.parent.mkdir(parents=True, exist_ok=True)
-        with open(venv.parent / f".{venv.name}.lock", "w") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)
-            if not (venv / READY).is_file():
-                subprocess.run(["bash", str(REPO / "scripts" / "setup_speculators.sh")], cwd=REPO, check=True,
-                               env={**os.environ, "SPECULATORS_VENV": str(venv)})
-    return venv / "bin" / "python"
+    from eval.engine import loader_python
+
+    return loader_python(venv, "SPECULATORS_VENV", ".venv-speculators", "setup_speculators.sh")
 
 
 def verifier_folder(target) -> str:

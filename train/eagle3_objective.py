@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from train.losses import draft_vocab_teacher, eagle3_loss, eagle_position_mask, shift_left
-from train.objectives import FINAL, FrozenParts
+from train.objectives import FINAL, FrozenParts, normal_equations
 
 
 def feature_layers(aux_layer_ids) -> tuple[int, ...]:
@@ -120,17 +120,12 @@ def eagle3_ridge_sums(parts: FrozenParts, batches, source, num_aux: int, norm_we
     `batches` (x = aux_t, y = final_{t+1} / norm_weight: the target's next post-norm state with its
     norm's weight divided out, which the draft's norm puts back), stopping after ~max_tokens rows.
     Float64 sums."""
-    gram = cross = None
-    rows = 0
     scale = norm_weight.double()
-    for batch in batches:
-        aux, final = split_features(source(batch).double(), num_aux)  # (B, T, n·Ht), (B, T, Ht)
-        mask = eagle_position_mask(batch["loss_mask"], batch["attention_mask"])  # (B, T-1)
-        x = aux[:, :-1][mask]  # (N, n·Ht)
-        y = final[:, 1:][mask] / scale  # (N, Ht)
-        gram = x.T @ x if gram is None else gram + x.T @ x
-        cross = x.T @ y if cross is None else cross + x.T @ y
-        rows += x.shape[0]
-        if rows >= max_tokens:
-            break
-    return gram, cross, rows
+
+    def pairs():
+        for batch in batches:
+            aux, final = split_features(source(batch).double(), num_aux)  # (B, T, n·Ht), (B, T, Ht)
+            mask = eagle_position_mask(batch["loss_mask"], batch["attention_mask"])  # (B, T-1)
+            yield aux[:, :-1][mask], final[:, 1:][mask] / scale  # (N, n·Ht), (N, Ht)
+
+    return normal_equations(pairs(), max_tokens)

@@ -131,24 +131,32 @@ def frequent_reply_tokens(rows, size: int, vocab_size: int) -> torch.Tensor:
     return most_frequent_ids(counts, size)
 
 
-@torch.no_grad()
-def ridge_sums(parts: FrozenParts, batches, source: FeatureSource, max_tokens: int):
-    """Σ x xᵀ (2D+1, 2D+1), Σ x yᵀ (2D+1, D) and the row count over counted positions of `batches`
-    (x = [embed(x_{t+1}), f_t, 1], y = f_{t+1}), stopping after ~max_tokens rows. Float64 sums."""
+def normal_equations(pairs, max_tokens: int):
+    """Σ x xᵀ, Σ x yᵀ and the row count over (x (N, F), y (N, D)) pairs, float64, stopping after the
+    pair that passes ~max_tokens rows (pairs may be a generator: later ones are never computed)."""
     gram = cross = None
     rows = 0
-    for batch in batches:
-        features = source(batch).double()  # (B, T, D)
-        mask = eagle_position_mask(batch["loss_mask"], batch["attention_mask"])  # (B, T-1)
-        x = torch.cat([parts.embed(batch["input_ids"][:, 1:]).double(), features[:, :-1]], -1)[mask]
-        x = torch.cat([x, torch.ones_like(x[:, :1])], -1)  # (N, 2D+1)
-        y = features[:, 1:][mask]  # (N, D)
+    for x, y in pairs:
         gram = x.T @ x if gram is None else gram + x.T @ x
         cross = x.T @ y if cross is None else cross + x.T @ y
         rows += x.shape[0]
         if rows >= max_tokens:
             break
     return gram, cross, rows
+
+
+@torch.no_grad()
+def ridge_sums(parts: FrozenParts, batches, source: FeatureSource, max_tokens: int):
+    """Σ x xᵀ (2D+1, 2D+1), Σ x yᵀ (2D+1, D) and the row count over counted positions of `batches`
+    (x = [embed(x_{t+1}), f_t, 1], y = f_{t+1}), stopping after ~max_tokens rows. Float64 sums."""
+    def pairs():
+        for batch in batches:
+            features = source(batch).double()  # (B, T, D)
+            mask = eagle_position_mask(batch["loss_mask"], batch["attention_mask"])  # (B, T-1)
+            x = torch.cat([parts.embed(batch["input_ids"][:, 1:]).double(), features[:, :-1]], -1)[mask]
+            yield torch.cat([x, torch.ones_like(x[:, :1])], -1), features[:, 1:][mask]  # (N, 2D+1), (N, D)
+
+    return normal_equations(pairs(), max_tokens)
 
 
 def eagle_step(head: nn.Module, parts: FrozenParts, batch: dict, features: torch.Tensor,
