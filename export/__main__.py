@@ -80,9 +80,28 @@ def run_export(cfg: ExportConfig) -> dict[str, Path]:
 _EXPECTED = (ValueError, OSError, OmegaConfBaseException)
 
 
+VALIDATE_HELP = """Check an export folder: each file's sha256, every key, shape, dtype and config field against
+its format, and with base=MODEL the base model's fingerprint, tokenizer and copied tensors. A head
+checkpoint folder (head_config.json, no specheads.json) is checked by loading it: a training
+checkpoint's files against the sha256 its trainer_state.json recorded. Exit status: 0 valid,
+1 invalid (each problem named), 2 a usage error or a path that does not exist."""
+
+
+def _validate_checkpoint(folder: str, target) -> dict:
+    from export import load_export
+
+    _, _, manifest = load_export(folder, target, dtype=None)
+    return {"folder": folder, "format": "checkpoint", "head_type": manifest["type"], "base_checked": target is not None}
+
+
 def run_validate(args: list[str]) -> int:
     from export import ExportValidationError, validate_export
+    from export.manifest import MANIFEST_NAME
+    from heads.io import CONFIG_NAME
 
+    if {"--help", "-h"} & set(args):
+        print(f"{USAGE}\n\n{VALIDATE_HELP}")
+        return 0
     folders = [arg for arg in args if "=" not in arg]
     options = dict(arg.split("=", 1) for arg in args if "=" in arg)
     if len(folders) != 1 or set(options) - {"base"}:
@@ -93,9 +112,14 @@ def run_validate(args: list[str]) -> int:
     except _EXPECTED as error:
         print(f"export error: base={options['base']}: {error}", file=sys.stderr)
         return 2
+    folder = Path(folders[0])
+    checkpoint = not (folder / MANIFEST_NAME).is_file() and (folder / CONFIG_NAME).is_file()
     try:
-        summary = validate_export(folders[0], target)
-    except ExportValidationError as error:
+        summary = _validate_checkpoint(str(folder), target) if checkpoint else validate_export(folder, target)
+    except OSError as error:  # no such folder: nothing to judge
+        print(f"export error: {error}", file=sys.stderr)
+        return 2
+    except (ExportValidationError, ValueError) as error:  # a damaged head or one for another base
         print(f"INVALID {error}", file=sys.stderr)
         return 1
     print(json.dumps({"valid": True, **summary}, indent=2))

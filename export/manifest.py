@@ -40,14 +40,6 @@ def base_model_from_target(target, hub_id: str | None = None) -> BaseModel:
     )
 
 
-def sha256_file(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        for block in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
 def _text_hash(text: str | None) -> str | None:
     return hashlib.sha256(text.encode()).hexdigest()[:16] if text else None
 

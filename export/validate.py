@@ -10,12 +10,12 @@ import torch
 from export.formats import get_format
 from export.layout import DTYPES as _DTYPES
 from export.layout import EXPORT_FORMAT_VERSION, ExportError, Format, shape_problems
-from export.manifest import MANIFEST_NAME, sha256_file
+from export.manifest import MANIFEST_NAME
 from export.vocab_file import has_sidecar, read_sidecar, sidecar_name, vocab_problems
 from heads.io import CONFIG_NAME as NATIVE_CONFIG_NAME
 from heads.vocab import VOCAB_KEY
 from heads.io import (HeadFileError, build_buffers, build_head, check_against_target, config_from_dict,
-                      fingerprint_differences, load_head, non_finite_keys, read_weights)
+                      fingerprint_differences, load_head, non_finite_keys, read_weights, sha256_file)
 
 _REQUIRED = ("format", "format_version", "head_type", "dtype", "head_config", "base_model", "files", "runtime",
              "feature_layer")
@@ -28,6 +28,17 @@ class ExportValidationError(ExportError):
     def __init__(self, folder, problems: list[str]):
         self.problems = list(problems)
         super().__init__(f"{folder} is not a valid export:\n  - " + "\n  - ".join(self.problems))
+
+
+def existing_folder(folder: str | os.PathLike) -> Path:
+    """`folder` as a Path; a path that does not exist, or a file, is an OSError saying so (not
+    "not a valid export", which sends a user looking for what is wrong inside it)."""
+    folder = Path(folder)
+    if not folder.exists():
+        raise FileNotFoundError(f"{folder} does not exist (expected a head checkpoint or an export folder)")
+    if not folder.is_dir():
+        raise NotADirectoryError(f"{folder} is a file, not a head checkpoint or an export folder")
+    return folder
 
 
 def read_manifest(folder: str | os.PathLike) -> dict:
@@ -119,7 +130,7 @@ def validate_export(folder: str | os.PathLike, target=None) -> dict:
     """Check every key, shape, dtype and config field of an export folder against its format (and,
     with `target`, against that base model's fingerprint and tensors). Raises
     ExportValidationError naming each bad field; returns a summary dict."""
-    folder = Path(folder)
+    folder = existing_folder(folder)
     manifest = read_manifest(folder)
     layout, config = _layout_and_config(folder, manifest)
     problems = _file_problems(folder, layout, manifest, config)
@@ -159,7 +170,7 @@ def load_export(folder: str | os.PathLike, target=None, strict_fingerprint: bool
     """Load any export (one of FORMAT_NAMES) or a plain head checkpoint back into
     a head -> (head, config, manifest). With `target`, refuse a head that does not belong to it.
     `dtype`: cast the head's weights (None keeps the file's dtype)."""
-    folder = Path(folder)
+    folder = existing_folder(folder)
     if not (folder / MANIFEST_NAME).is_file() and (folder / NATIVE_CONFIG_NAME).is_file():
         head, config, meta = load_head(folder, target, strict_fingerprint)
         manifest = {"format": "checkpoint", **meta}

@@ -18,10 +18,10 @@ from torch import nn
 
 from export.formats import ExportError, get_format, resolve_formats, torch_dtype
 from export.manifest import (MANIFEST_NAME, README_NAME, base_model_from_target, build_manifest, model_card,
-                             recommended_runtime, sha256_file)
+                             recommended_runtime)
 from export.vocab_file import VOCAB_FILE, manifest_entry, split_state, write_sidecar
 from export.validate import ExportValidationError, read_manifest, validate_export
-from heads.io import check_against_target, fingerprint_differences, head_type, non_finite_keys
+from heads.io import check_against_target, fingerprint_differences, head_type, non_finite_keys, sha256_file
 
 log = logging.getLogger(__name__)
 

@@ -4,9 +4,12 @@ head_config.json = {"type": "eagle" | "eagle3" | "medusa", "config": {<EagleConf
                     "format_version": 1, **extra}
 The head's draft vocabulary is part of its weights: `draft_vocab` (sorted target ids, EAGLE-1/2
 and Medusa with config draft_vocab_size > 0) or `d2t`/`t2d` (EAGLE-3); heads/vocab.py.
+A training checkpoint (train/checkpoint.py) is such a folder plus `trainer_state.json`, which
+records each file's bytes and sha256; `load_head` checks the head's files against it.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import tempfile
@@ -23,6 +26,7 @@ from heads.vocab import VOCAB_KEY, check_ids, stores_id_list
 
 CONFIG_NAME = "head_config.json"
 WEIGHTS_NAME = "model.safetensors"
+STATE_NAME = "trainer_state.json"  # a training checkpoint's record of its files (train/checkpoint.py)
 FORMAT_VERSION = 1
 _TYPES = {"eagle": (EagleConfig, EagleHead), "eagle3": (Eagle3Config, Eagle3Head), "medusa": (MedusaConfig, MedusaHeads)}
 
@@ -64,6 +68,46 @@ def read_json(path: str | os.PathLike) -> dict:
     return values
 
 
+def sha256_file(path: str | os.PathLike) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def recorded_file_problems(directory: str | os.PathLike, files: dict, checksums: bool = True) -> list[str]:
+    """Problems naming each file of `directory` that is missing or differs from its record in
+    `files` ({name: {"bytes", "sha256"}}, or {name: bytes} in checkpoints saved before checksums):
+    its size always, its sha256 with `checksums`."""
+    problems = []
+    for name, entry in files.items():
+        file = Path(directory) / name
+        size, digest = (entry["bytes"], entry.get("sha256")) if isinstance(entry, dict) else (int(entry), None)
+        if not file.is_file():
+            problems.append(f"{file}: missing")
+        elif file.stat().st_size != size:
+            problems.append(f"{file}: {file.stat().st_size} bytes, {STATE_NAME} recorded {size} (truncated)")
+        elif checksums and digest is not None and sha256_file(file) != digest:
+            problems.append(f"{file}: sha256 differs from the one recorded when it was saved (damaged)")
+    return problems
+
+
+def _check_recorded_files(directory: Path) -> None:
+    """A file damaged at the same size passes every other check; a checkpoint's own record of its
+    files catches it wherever the head is read (export, eval, init_from), not only on resume."""
+    path = directory / STATE_NAME
+    if not path.is_file():
+        return  # a head folder that is not a training checkpoint records no checksums
+    files = read_json(path).get("files")
+    if not isinstance(files, dict):
+        raise HeadFileError(f"{path}: no 'files' record; the checkpoint is incomplete")
+    head_files = {name: entry for name, entry in files.items() if name in (CONFIG_NAME, WEIGHTS_NAME)}
+    problems = recorded_file_problems(directory, head_files)
+    if problems:
+        raise HeadFileError(f"{directory} is a damaged checkpoint: " + "; ".join(problems))
+
+
 def head_type(config) -> str:
     for name, (config_class, _) in _TYPES.items():
         if isinstance(config, config_class):
@@ -79,7 +123,13 @@ def build_head(config) -> nn.Module:
 def config_from_dict(kind: str, values: dict):
     if kind not in _TYPES:
         raise ValueError(f"head type {kind!r} is not one of {sorted(_TYPES)}")
-    return _TYPES[kind][0](**values)
+    config = _TYPES[kind][0](**values)
+    heads = getattr(config, "num_attention_heads", None)
+    # Building the head would fail deep inside transformers' LlamaConfig (RoPE) with a traceback.
+    if heads is not None and (not isinstance(heads, int) or heads < 1 or config.hidden_size % heads):
+        raise ValueError(f"config.hidden_size={config.hidden_size} is not a multiple of "
+                         f"config.num_attention_heads={heads!r}")
+    return config
 
 
 def _atomic_write(path: Path, write) -> None:
@@ -150,8 +200,10 @@ def load_head(directory: str | os.PathLike, target=None, strict_fingerprint: boo
               device: str | torch.device = "cpu"):
     """Load a native head checkpoint -> (head, config, meta). With a target, refuse a head that
     does not belong to it (HeadMismatchError); a damaged file, or weights with NaN or infinities,
-    is a HeadFileError naming the file."""
+    is a HeadFileError naming the file; so is a checkpoint file whose sha256 differs from the one
+    its trainer_state.json recorded."""
     meta = read_head_meta(directory)
+    _check_recorded_files(Path(directory))
     try:
         config = config_from_dict(meta["type"], meta["config"])
     except (TypeError, ValueError) as error:

@@ -26,11 +26,11 @@ from pathlib import Path
 
 import torch
 
-from heads.io import HeadFileError, non_finite_keys, read_weights, save_head
+from heads.io import (STATE_NAME, HeadFileError, non_finite_keys, read_weights, recorded_file_problems,
+                      save_head, sha256_file)
 from train.run_identity import RUN_KEY, identity_differences
 
 log = logging.getLogger(__name__)
-STATE_NAME = "trainer_state.json"
 _STEP_DIR = re.compile(r"^step-(\d{8})$")
 
 
@@ -86,7 +86,7 @@ def save_checkpoint(root: str | os.PathLike, step: int, head, head_config, optim
     torch.save(optimizer_state, tmp / "optimizer.pt")
     torch.save(scheduler_state, tmp / "scheduler.pt")
     torch.save({"ranks": rng_states}, tmp / "rng.pt")
-    files = {p.name: {"bytes": p.stat().st_size, "sha256": _sha256(p)} for p in sorted(tmp.iterdir())}
+    files = {p.name: {"bytes": p.stat().st_size, "sha256": sha256_file(p)} for p in sorted(tmp.iterdir())}
     state = {**trainer_state, "step": step, "files": files, "complete": True}
     (tmp / STATE_NAME).write_text(json.dumps(state, indent=1))
     _fsync_dir(tmp)
@@ -114,19 +114,6 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        for block in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
-def _recorded(entry) -> tuple[int, str | None]:
-    """(bytes, sha256) of a `files` entry; checkpoints from before checksums hold the size only."""
-    return (entry["bytes"], entry.get("sha256")) if isinstance(entry, dict) else (int(entry), None)
-
-
 def state_problems(path: str | os.PathLike, checksums: bool = False) -> tuple[dict | None, list[str]]:
     """(trainer state, problems naming each bad file) of a checkpoint folder; with `checksums`
     every file is also read and hashed against its recorded sha256."""
@@ -139,16 +126,7 @@ def state_problems(path: str | os.PathLike, checksums: bool = False) -> tuple[di
         return None, [f"{path / STATE_NAME}: not valid JSON ({error})"]
     if not isinstance(state, dict) or not state.get("complete"):
         return None, [f"{path / STATE_NAME}: not marked complete"]
-    problems = []
-    for name, entry in state.get("files", {}).items():
-        file, (size, digest) = path / name, _recorded(entry)
-        if not file.is_file():
-            problems.append(f"{file}: missing")
-        elif file.stat().st_size != size:
-            problems.append(f"{file}: {file.stat().st_size} bytes, {STATE_NAME} recorded {size} (truncated)")
-        elif checksums and digest is not None and _sha256(file) != digest:
-            problems.append(f"{file}: sha256 differs from the one recorded when it was saved (damaged)")
-    return state, problems
+    return state, recorded_file_problems(path, state.get("files", {}), checksums)
 
 
 def read_state(path: str | os.PathLike) -> dict | None:

@@ -61,3 +61,34 @@ def test_the_wandb_mode_says_which_setting_won(caplog):
     with caplog.at_level(logging.INFO):
         assert wandb_mode("online", {"WANDB_MODE": "offline"}) == "offline"
     assert "not logger.mode=online" in caplog.text and not any(r.levelno >= logging.WARNING for r in caplog.records)
+
+
+def test_a_damaged_checkpoint_and_an_uneven_head_config_are_refused_before_measuring(tmp_path, monkeypatch, capsys):
+    """The one head loader eval, `trainer.init_from` and a job's `stages=[export]` read a head with."""
+    import json
+
+    from heads.eagle import EagleConfig, EagleHead
+    from heads.io import save_head
+    from train.checkpoint import save_checkpoint
+
+    target = tiny_target()
+    monkeypatch.setattr("heads.target.load_target", lambda config: target)
+    monkeypatch.setattr("eval.stage.run_eval_stage", lambda *a, **k: pytest.fail("measured a head it must refuse"))
+    config = EagleConfig.from_target(target)
+    ckpt = save_checkpoint(tmp_path / "checkpoints", 3, EagleHead(config), config, {}, {}, [], {})
+    weights = ckpt / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-1] ^= 0xFF  # same size: only the recorded sha256 tells
+    weights.write_bytes(bytes(data))
+    assert entry.cli([f"head={ckpt}", f"out={tmp_path / 'out'}"]) == 2
+    assert f"{weights}: sha256 differs" in capsys.readouterr().err
+    uneven = tmp_path / "uneven"
+    save_head(uneven, EagleHead(config), config)
+    meta = json.loads((uneven / "head_config.json").read_text())
+    meta["config"]["hidden_size"] = 66
+    (uneven / "head_config.json").write_text(json.dumps(meta))
+    assert entry.cli([f"head={uneven}", f"out={tmp_path / 'out'}"]) == 2
+    err = capsys.readouterr().err
+    assert "head_config.json: config.hidden_size=66 is not a multiple of config.num_attention_heads=4" in err
+    assert entry.cli([f"head={tmp_path / 'nope'}", f"out={tmp_path / 'out'}"]) == 2
+    assert f"{tmp_path / 'nope'} does not exist" in capsys.readouterr().err

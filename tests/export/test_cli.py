@@ -184,3 +184,72 @@ def test_export_carries_an_eval_reports_batch_policy_and_keeps_it_on_reexport(sa
         assert runtime["batch_policy"]["measured_on"]["hardware"] == "CPU test, 2 threads"
     with pytest.raises(ValueError, match="eval_report="):
         run_export(ExportConfig(ckpt=saved["ckpt"], out=str(saved["root"] / "p3"), eval_report=str(saved["root"])))
+
+
+def _damaged_checkpoint(saved, name: str) -> Path:
+    """A training checkpoint whose weights then change one byte at the same size (a bad disk or
+    copy): every size check passes, only the sha256 its trainer_state.json recorded differs."""
+    from train.checkpoint import save_checkpoint
+
+    head, config = make_eagle(saved["target"])
+    path = save_checkpoint(saved["root"] / name, 5, head, config, {}, {}, [], {})
+    weights = path / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-1] ^= 0xFF
+    weights.write_bytes(bytes(data))
+    return path
+
+
+def test_a_checkpoint_damaged_at_the_same_size_is_refused_by_export_and_validate(saved, capsys, monkeypatch):
+    monkeypatch.setattr(sys, "argv", ["export"])
+    ckpt = _damaged_checkpoint(saved, "damaged")
+    out = saved["root"] / "from-damaged"
+    assert cli([f"ckpt={ckpt}", "format=eagle", f"out={out}", f"base={saved['base']}"]) == 2
+    assert "model.safetensors: sha256 differs" in capsys.readouterr().err and not out.exists()
+    assert cli(["validate", str(ckpt)]) == 1
+    assert "model.safetensors: sha256 differs" in capsys.readouterr().err
+    from train.checkpoint import save_checkpoint
+
+    head, config = make_eagle(saved["target"])
+    whole = save_checkpoint(saved["root"] / "whole", 5, head, config, {}, {}, [], {})
+    assert cli(["validate", str(whole), f"base={saved['base']}"]) == 0
+    assert json.loads(capsys.readouterr().out)["format"] == "checkpoint"
+
+
+def test_a_missing_path_says_it_does_not_exist_and_validate_has_help(saved, capsys, monkeypatch):
+    monkeypatch.setattr(sys, "argv", ["export"])
+    missing = saved["root"] / "no-such-ckpt"
+    assert cli([f"ckpt={missing}", "format=eagle", f"out={saved['root'] / 'x'}", f"base={saved['base']}"]) == 2
+    assert f"{missing} does not exist" in capsys.readouterr().err
+    assert cli(["validate", str(missing)]) == 2
+    err = capsys.readouterr().err
+    assert f"{missing} does not exist" in err and "not a valid export" not in err
+    for flag in ("--help", "-h"):
+        assert cli(["validate", flag]) == 0
+        assert "python -m export validate DIR" in capsys.readouterr().out
+
+
+def test_a_head_config_whose_width_does_not_split_into_its_heads_is_one_line(saved, capsys, monkeypatch):
+    from tests.helpers import tamper_json
+
+    monkeypatch.setattr(sys, "argv", ["export"])
+    ckpt = saved["root"] / "uneven-ckpt"
+    head, config = make_eagle(saved["target"])
+    save_head(ckpt, head, config)
+    meta = json.loads((ckpt / "head_config.json").read_text())
+    meta["config"]["hidden_size"] = 50
+    (ckpt / "head_config.json").write_text(json.dumps(meta))
+    assert cli([f"ckpt={ckpt}", "format=eagle", f"out={saved['root'] / 'u'}", f"base={saved['base']}"]) == 2
+    err = capsys.readouterr().err
+    assert f"{ckpt / 'head_config.json'}: config.hidden_size=50 is not a multiple of config.num_attention_heads=4" \
+        in err and "Traceback" not in err
+    folder = saved["root"] / "uneven-export"
+    run_export(ExportConfig(ckpt=saved["ckpt"], out=str(folder), format="eagle", base=saved["base"]))
+    tamper_json(folder, "config.json", lambda values: values.update(hidden_size=50))
+    manifest = json.loads((folder / "specheads.json").read_text())
+    manifest["head_config"]["hidden_size"] = 50
+    (folder / "specheads.json").write_text(json.dumps(manifest))
+    assert cli(["validate", str(folder)]) == 1
+    assert "head_config: config.hidden_size=50 is not a multiple" in capsys.readouterr().err
+    assert cli([f"ckpt={folder}", "format=eagle_vllm", f"out={saved['root'] / 'u2'}", f"base={saved['base']}"]) == 2
+    assert "config.hidden_size=50 is not a multiple" in capsys.readouterr().err

@@ -124,3 +124,18 @@ def test_saving_never_replaces_another_runs_checkpoint(tmp_path, target):
         _save(tmp_path, 4, target, {"run": {"id": "second"}})
     assert read_state(tmp_path / "step-00000004")["run"]["id"] == "first"
     _save(tmp_path, 4, target, {"run": {"id": "first"}})  # the same run re-saves a step after a resume
+
+
+def test_a_checkpoint_damaged_at_the_same_size_is_refused_wherever_its_head_is_read(tmp_path, target):
+    from export import load_export
+    from heads.io import HeadFileError
+
+    path, _ = _save(tmp_path, 2, target)
+    weights = path / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    weights.write_bytes(bytes(data))
+    assert read_state(path) is not None  # the sizes agree: listing does not notice
+    for load in (lambda: load_head(path, target), lambda: load_export(path, target)):
+        with pytest.raises(HeadFileError, match=r"damaged checkpoint: .*model.safetensors: sha256 differs"):
+            load()
