@@ -8,7 +8,7 @@ from pathlib import Path
 
 from data.config import DataConfig
 from data.records import ROLES
-from data.sources import NOT_UTF8, load_conversations, read_text
+from data.sources import LONE_SURROGATE, NOT_UTF8, has_lone_surrogate, load_conversations, read_text
 from data.split import split_indices
 from data.template import prompt_ids
 
@@ -67,6 +67,8 @@ def load_prompt_file(path: str | Path, tokenizer, max_prompt_tokens: int | None 
             item = json.loads(line)
         except json.JSONDecodeError as error:
             raise ValueError(f"{where}: invalid JSON ({error.msg})") from None
+        if has_lone_surrogate(item):
+            raise ValueError(f"{where}: {LONE_SURROGATE}")
         reference = item.get("reference") if isinstance(item, dict) else None
         if isinstance(item, dict) and isinstance(item.get("prompt"), str):
             messages = [{"role": "user", "content": item["prompt"]}]

@@ -18,7 +18,8 @@ ROLES = {
 }
 
 # Skip reasons. BAD_REASONS are malformed records: an error unless skip_bad_records is set.
-BAD_REASONS = ("invalid_json", "not_utf8", "not_an_object", "missing_conversations", "bad_turn", "unknown_role")
+BAD_REASONS = ("invalid_json", "not_utf8", "lone_surrogate", "not_an_object", "missing_conversations", "bad_turn",
+               "unknown_role")
 EMPTY = "empty_conversation"  # no turns, or every turn blank
 NO_REPLY = "no_assistant_reply"  # nothing left to learn from after leading assistant turns are dropped
 

@@ -95,6 +95,20 @@ def read_text(path: str | os.PathLike) -> tuple[str, int, bool]:
 
 
 NOT_UTF8 = re.compile("[\udc80-\udcff]")
+_SURROGATE = re.compile("[\ud800-\udfff]")
+LONE_SURROGATE = "a lone surrogate escape (such as \\ud800) in a string: not text, no tokenizer or UTF-8 file takes it"
+
+
+def has_lone_surrogate(value: Any) -> bool:
+    """Whether a parsed JSON value holds a UTF-16 surrogate that is not half of a pair (json
+    joins the pairs into one character, so any surrogate left is a lone one)."""
+    if isinstance(value, str):
+        return _SURROGATE.search(value) is not None
+    if isinstance(value, dict):
+        return any(has_lone_surrogate(key) or has_lone_surrogate(item) for key, item in value.items())
+    if isinstance(value, list):
+        return any(has_lone_surrogate(item) for item in value)
+    return False
 
 
 def _break_message(path: str, text: str, index: int, start: int, error: json.JSONDecodeError, bom: int = 0) -> str:
@@ -136,13 +150,17 @@ def parse_json_array(path: str, salvage: bool, counter: SkipCounter | None = Non
                 raise ValueError(message) from None
             break
         bad = None if clean else NOT_UTF8.search(text, start, position)
-        if bad is None:
-            records.append(record)
+        if bad is not None:
+            reason, detail = "not_utf8", f"{path}: bytes that are not UTF-8 at byte {_byte(text, bad.start(), bom)}"
+        elif has_lone_surrogate(record):
+            reason, detail = "lone_surrogate", f"{path}: the record at byte {_byte(text, start, bom)} holds {LONE_SURROGATE}"
         else:
-            detail = f"{path}: bytes that are not UTF-8 at byte {_byte(text, bad.start(), bom)}"
+            reason = None
+            records.append(record)
+        if reason is not None:
             if counter is None:
                 raise ValueError(detail)
-            counter.bad("not_utf8", len(records), record.get("id") if isinstance(record, dict) else None, detail)
+            counter.bad(reason, len(records), record.get("id") if isinstance(record, dict) else None, detail)
         position = _WHITESPACE.match(text, position).end()
         if position < len(text) and text[position] == ",":
             position += 1
@@ -178,10 +196,16 @@ def _iter_jsonl(path: str, counter: SkipCounter) -> Iterator[tuple[int, Any]]:
             if not line.strip():
                 continue
             try:
-                yield line_number, json.loads(line)
+                record = json.loads(line)
             except json.JSONDecodeError as error:
                 counter.bad("invalid_json", line_number, None,
                             f"{path} line {line_number}, column {error.colno}: {error.msg}")
+                continue
+            if has_lone_surrogate(record):
+                counter.bad("lone_surrogate", line_number, record.get("id") if isinstance(record, dict) else None,
+                            f"{path} line {line_number}: {LONE_SURROGATE}")
+                continue
+            yield line_number, record
 
 
 def _iter_datasets(fmt: str, location: str, split: str) -> Iterator[tuple[int, Any]]:

@@ -140,3 +140,27 @@ def test_prompts_file_that_is_a_folder_or_not_utf8(tmp_path):
     path.write_text("\n")
     with pytest.raises(ValueError, match="no prompts in it"):
         load_prompt_file(path, tokenizer=None)
+
+
+@pytest.mark.parametrize("name, lines", [("data.jsonl", True), ("data.json", False)])
+def test_a_lone_surrogate_escape_is_counted_or_named(tmp_path, name, lines):
+    """`\\ud800` is valid JSON, but the string it makes is not text: Arrow and every tokenizer refuse it."""
+    path = tmp_path / name
+    records = [_record(0), _record(1, "broken \ud800 half"), _record(2)]
+    dumped = [json.dumps(r) for r in records]  # ensure_ascii writes the lone half as the escape
+    assert "\\ud800" in dumped[1]
+    path.write_text("\n".join(dumped) + "\n" if lines else "[" + ", ".join(dumped) + "]")
+    dataset, stats = _load(tmp_path, path)
+    assert list(dataset["id"]) == ["r0", "r2"] and stats["skipped"] == {"lone_surrogate": 1}
+    where = rf"{path} line 2" if lines else rf"{path}: the record at byte {1 + len(dumped[0]) + 2}"
+    with pytest.raises(RecordError, match=rf"\[lone_surrogate\]: {where}.*a lone surrogate escape"):
+        _load(tmp_path, path, skip_bad_records=False)
+
+
+def test_a_lone_surrogate_in_a_prompts_file_names_the_line(tmp_path):
+    from data.prompts import load_prompt_file
+
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("\n" + json.dumps({"prompt": "half \udc00 pair"}) + "\n")
+    with pytest.raises(ValueError, match=rf"{path} line 2: a lone surrogate escape"):
+        load_prompt_file(path, tokenizer=None)
