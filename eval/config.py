@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -74,7 +75,8 @@ def check_runtime(r: RuntimeConfig) -> None:
     for drafter in r.drafters:
         if drafter not in DRAFTERS:
             raise ValueError(f"runtime.drafters[]={drafter!r} is not one of {sorted(DRAFTERS)}")
-    need(isinstance(r.temperature, (int, float)) and r.temperature >= 0, "temperature", "must be >= 0")
+    need(isinstance(r.temperature, (int, float)) and math.isfinite(r.temperature) and r.temperature >= 0,
+         "temperature", "must be a finite number >= 0 (0: greedy)")
     need(isinstance(r.top_p, (int, float)) and 0.0 < r.top_p <= 1.0, "top_p", "must be in (0, 1]")
     need(_is_int(r.top_k) and r.top_k >= 0, "top_k", "must be an int >= 0 (0: off)")
     need(r.tree_total_tokens == "auto" or (_is_int(r.tree_total_tokens) and r.tree_total_tokens >= 2),

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import tempfile
 from pathlib import Path
 from typing import Iterable
 
@@ -44,6 +45,19 @@ def _not_a_file(out: Path) -> None:
         raise OutFolderError(f"{out} is a file, not a folder; eval writes its reports into a folder")
 
 
+def _check_writable(out: Path) -> None:
+    """Create `out` and write a probe file there: a folder eval cannot write (read-only, no
+    permission, a full disk) fails now, not after minutes of measuring."""
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        fd, probe = tempfile.mkstemp(prefix=".write-probe-", dir=out)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as error:
+        raise OutFolderError(f"{out} cannot be written ({error.strerror or error}); eval writes its reports there: "
+                             "choose another out=") from None
+
+
 def check_out_folder(out: str | os.PathLike, overwrite: bool = False, written: Iterable[str] = (),
                      advice: str = "choose another out=, or pass overwrite=true to let eval replace what is there"
                      ) -> None:
@@ -53,8 +67,7 @@ def check_out_folder(out: str | os.PathLike, overwrite: bool = False, written: I
     What is accepted is recorded now, so the writers' `claim` accepts it too."""
     out = Path(out)
     _not_a_file(out)
-    if not out.is_dir():
-        return
+    _check_writable(out)
     recorded = _recorded(out)
     present = {entry.name for entry in out.iterdir()} - {RECORD_NAME}
     known = recorded | (present & set(written))

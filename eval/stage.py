@@ -63,6 +63,10 @@ def select_drafters(names: Sequence[str], head) -> list[str]:
         return kept
     kept = [name for name in names if name not in HEAD_DRAFTERS or isinstance(head, HEAD_DRAFTERS[name])]
     dropped = [name for name in names if name not in kept]
+    if not kept:  # only the plain baseline would run: a report without the head it was asked to measure
+        fits = [name for name, kinds in HEAD_DRAFTERS.items() if isinstance(head, kinds)]
+        raise ValueError(f"runtime.drafters={list(names)}: none of them runs a {type(head).__name__} head; "
+                         f"use runtime.drafters={fits}")
     if dropped:
         log.info("drafters %s do not run a %s head; measuring %s", dropped, type(head).__name__, kept)
     return kept

@@ -62,6 +62,8 @@ def validate_job(job: JobConfig) -> JobConfig:
             raise ValueError(f"stages={job.stages!r} must be a list of {list(STAGES)}")
         for stage in job.stages:
             choice("stages[]", stage, STAGES)
+        if not job.stages:  # it would load the target and exit 0 having done nothing
+            raise ValueError(f"stages=[] runs nothing: name at least one of {list(STAGES)}")
         for section in (job.model, job.heads, job.data, job.trainer, job.deepspeed, job.logger, job.export):
             section.check()
         check_runtime(job.runtime)

@@ -17,6 +17,8 @@ def _no_target(config):
     ("runtime.tree_total_tokens=1", "runtime.tree_total_tokens=1 must be an int >= 2"),
     ("runtime.top_p=0", "runtime.top_p=0"),
     ("runtime.seed=-1", "runtime.seed=-1"),
+    ("runtime.temperature=inf", "runtime.temperature=inf must be a finite number >= 0"),
+    ("runtime.temperature=nan", "runtime.temperature=nan must be a finite number >= 0"),
     ("runtime.drafters=[eagle_forest]", "runtime.drafters[]='eagle_forest'"),
     ("model.dtype=fp8", "model.dtype='fp8'"),
     ("engine=sglang", "engine='sglang' is not one of ['vllm']"),
@@ -92,3 +94,28 @@ def test_a_damaged_checkpoint_and_an_uneven_head_config_are_refused_before_measu
     assert "head_config.json: config.hidden_size=66 is not a multiple of config.num_attention_heads=4" in err
     assert entry.cli([f"head={tmp_path / 'nope'}", f"out={tmp_path / 'out'}"]) == 2
     assert f"{tmp_path / 'nope'} does not exist" in capsys.readouterr().err
+
+
+def test_an_unwritable_out_folder_is_refused_before_the_target_loads(tmp_path, monkeypatch, capsys):
+    import os
+
+    monkeypatch.setattr("heads.target.load_target", _no_target)
+    if os.geteuid() == 0:  # permission bits do not bind root; /sys refuses new folders to everyone
+        out = "/sys/specheads-eval-out"
+    else:
+        (tmp_path / "locked").mkdir(mode=0o555)
+        out = str(tmp_path / "locked" / "eval")
+    assert entry.cli([f"out={out}"]) == 2
+    assert f"{out} cannot be written" in capsys.readouterr().err
+
+
+def test_a_head_that_none_of_the_drafters_runs_is_an_error(tmp_path, monkeypatch, capsys):
+    from heads.io import save_head
+    from heads.medusa import MedusaConfig, MedusaHeads
+
+    target = tiny_target()
+    monkeypatch.setattr("heads.target.load_target", lambda config: target)
+    config = MedusaConfig.from_target(target, num_heads=2, num_layers=1)
+    save_head(tmp_path / "medusa", MedusaHeads(config), config)
+    assert entry.cli([f"head={tmp_path / 'medusa'}", "runtime.drafters=[eagle_tree]", f"out={tmp_path / 'out'}"]) == 2
+    assert "none of them runs a MedusaHeads head; use runtime.drafters=['medusa']" in capsys.readouterr().err

@@ -112,10 +112,21 @@ def test_python_m_train_reports_an_added_unknown_key_as_one_line(capsys):
     ("runtime.tree_total_tokens=abc", "runtime.tree_total_tokens"),  # was a TypeError
     ("runtime.tree_total_tokens=1", "runtime.tree_total_tokens"),
     ("runtime.max_new_tokens=0", "runtime.max_new_tokens"),
+    ("runtime.temperature=inf", "runtime.temperature"),
+    ("runtime.temperature=nan", "runtime.temperature"),
+    ("stages=[]", "stages"),
 ])
 def test_impossible_values_name_the_key(override, key):
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
         compose_job([override])
+
+
+def test_python_m_train_refuses_an_empty_stage_list_before_the_target_loads(capsys, monkeypatch):
+    from train.__main__ import cli
+
+    monkeypatch.setattr("heads.target.load_target", lambda *a, **k: pytest.fail("the target loaded for stages=[]"))
+    assert cli(["stages=[]"]) == 2
+    assert "stages=[] runs nothing" in capsys.readouterr().err
 
 
 def test_validate_is_cheap_and_pure():
