@@ -44,11 +44,12 @@ def eval_prompts(config: DataConfig, tokenizer, n: int, max_prompt_tokens: int) 
     return prompts
 
 
-def load_prompt_file(path: str | Path, tokenizer, max_prompt_tokens: int | None = None) -> list[dict]:
+def load_prompt_file(path: str | Path, tokenizer, max_prompt_tokens: int | None = None,
+                     limit_source: str = "runtime.max_prompt_tokens") -> list[dict]:
     """Prompts from a JSONL file of `{"prompt": str}` or `{"messages": [{"role", "content"}]}`
     (optional "id", "reference", "category": reports give a row per category). A trailing
     assistant message becomes the reference. Malformed lines and over-long prompts are errors
-    naming the line."""
+    naming the line, and `limit_source` (what sets max_prompt_tokens)."""
     if not Path(path).is_file():
         raise FileNotFoundError(f"prompts file {path}: " + ("a folder, not a JSONL file" if Path(path).is_dir()
                                                           else "no such file"))
@@ -85,7 +86,8 @@ def load_prompt_file(path: str | Path, tokenizer, max_prompt_tokens: int | None 
             raise ValueError(f"{where}: 'category' must be a string, got {category!r:.60}")
         prompt = _prompt(str(item.get("id", f"line{line_number}")), messages, reference, tokenizer, category)
         if max_prompt_tokens is not None and len(prompt["prompt_ids"]) > max_prompt_tokens:
-            raise ValueError(f"{where}: prompt has {len(prompt['prompt_ids'])} tokens > {max_prompt_tokens}")
+            raise ValueError(f"{where}: prompt has {len(prompt['prompt_ids'])} tokens > {max_prompt_tokens} "
+                             f"({limit_source})")
         prompts.append(prompt)
     if not prompts:
         raise ValueError(f"prompts file {path}: no prompts in it")

@@ -20,25 +20,46 @@ log = logging.getLogger(__name__)
 HEAD_FREE = ("prompt_lookup", "self_speculation")  # what runs when no head is given
 
 
-def eval_prompt_records(runtime: RuntimeConfig, data: DataConfig, tokenizer, prompts_file: str | None = None
-                        ) -> list[dict]:
+def prompt_limit(runtime: RuntimeConfig, max_positions: int | None = None) -> tuple[int, str]:
+    """(the longest prompt eval takes, what sets it): runtime.max_prompt_tokens, or fewer when the
+    model's positions leave less room before runtime.max_new_tokens. A longer prompt would run
+    past the positions the model was trained for and stop after a token or two."""
+    limit, source = runtime.max_prompt_tokens, f"runtime.max_prompt_tokens={runtime.max_prompt_tokens}"
+    if max_positions is not None and max_positions - runtime.max_new_tokens < limit:
+        limit = max_positions - runtime.max_new_tokens
+        source = (f"the model's max_position_embeddings={max_positions} less "
+                  f"runtime.max_new_tokens={runtime.max_new_tokens}")
+    if limit < 1:
+        raise ValueError(f"runtime.max_new_tokens={runtime.max_new_tokens} leaves no room for a prompt in the model's "
+                         f"{max_positions} positions")
+    return limit, source
+
+
+def eval_prompt_records(runtime: RuntimeConfig, data: DataConfig, tokenizer, prompts_file: str | None = None,
+                        max_positions: int | None = None) -> list[dict]:
     """Up to runtime.num_prompts prompts (`{"id", "prompt_ids", "category", ...}`): from
     `prompts_file` (else runtime.prompts_file), a JSONL of prompts, or from the held-out side of
-    `data`'s split."""
+    `data`'s split. Prompts longer than `prompt_limit` are refused (a file's, naming the line) or
+    passed over (held-out ones, counted in the log)."""
     from data.prompts import eval_prompts, load_prompt_file
 
+    limit, source = prompt_limit(runtime, max_positions)
     path = prompts_file or runtime.prompts_file
     if path:
-        prompts = load_prompt_file(path, tokenizer, runtime.max_prompt_tokens)
+        prompts = load_prompt_file(path, tokenizer, limit, source)
     else:
-        prompts = eval_prompts(data, tokenizer, runtime.num_prompts, runtime.max_prompt_tokens)
+        prompts = eval_prompts(data, tokenizer, runtime.num_prompts, limit)
     return prompts[: runtime.num_prompts]
 
 
-def eval_prompt_ids(runtime: RuntimeConfig, data: DataConfig, tokenizer, prompts_file: str | None = None
-                    ) -> list[list[int]]:
+def eval_prompt_ids(runtime: RuntimeConfig, data: DataConfig, tokenizer, prompts_file: str | None = None,
+                    max_positions: int | None = None) -> list[list[int]]:
     """eval_prompt_records' prompts as token ids."""
-    return [p["prompt_ids"] for p in eval_prompt_records(runtime, data, tokenizer, prompts_file)]
+    return [p["prompt_ids"] for p in eval_prompt_records(runtime, data, tokenizer, prompts_file, max_positions)]
+
+
+def _target_positions(target) -> int | None:
+    return getattr(target.config, "max_position_embeddings", None)
 
 
 def load_eval_head(folder: str | os.PathLike, target, strict_fingerprint: bool = True):
@@ -123,7 +144,7 @@ def run_engine_stage(target, runtime: RuntimeConfig, data: DataConfig, out_dir: 
                      head_folder: str | os.PathLike, engine: str = "vllm", k: int | None = None,
                      prompts_file: str | None = None) -> dict:
     """`python -m eval head=DIR engine=vllm`: the engine comparison of one head on the eval prompts."""
-    prompts = eval_prompt_records(runtime, data, target.tokenizer, prompts_file)
+    prompts = eval_prompt_records(runtime, data, target.tokenizer, prompts_file, _target_positions(target))
     report = run_engine_comparison(target, [head_folder], prompts, runtime, out_dir, k, engine,
                                    runtime.compare_transformers)
     report["files"] = {"json": str(Path(out_dir) / "report.json"), "markdown": str(Path(out_dir) / "report.md")}
@@ -138,6 +159,6 @@ def run_eval_stage(target, runtime: RuntimeConfig, data: DataConfig, out_dir: st
     from eval.run import evaluate
 
     drafters = select_drafters(list(runtime.drafters), head)
-    prompts = eval_prompt_ids(runtime, data, target.tokenizer, prompts_file)
+    prompts = eval_prompt_ids(runtime, data, target.tokenizer, prompts_file, _target_positions(target))
     return evaluate(target, prompts, drafters, runtime, head=head, head_config=head_config, out_dir=out_dir,
                     progress=progress)

@@ -119,3 +119,20 @@ def test_a_head_that_none_of_the_drafters_runs_is_an_error(tmp_path, monkeypatch
     save_head(tmp_path / "medusa", MedusaHeads(config), config)
     assert entry.cli([f"head={tmp_path / 'medusa'}", "runtime.drafters=[eagle_tree]", f"out={tmp_path / 'out'}"]) == 2
     assert "none of them runs a MedusaHeads head; use runtime.drafters=['medusa']" in capsys.readouterr().err
+
+
+def test_a_prompt_longer_than_the_models_positions_is_refused_before_measuring(tmp_path, monkeypatch, capsys):
+    import json
+
+    from tests.helpers import ToyTokenizer
+
+    target = tiny_target()  # max_position_embeddings=512
+    target.tokenizer = ToyTokenizer()
+    monkeypatch.setattr("heads.target.load_target", lambda config: target)
+    monkeypatch.setattr("eval.run.evaluate", lambda *a, **k: pytest.fail("measured a prompt past the positions"))
+    path = tmp_path / "prompts.jsonl"
+    path.write_text(json.dumps({"prompt": "short"}) + "\n" + json.dumps({"prompt": "x" * 600}) + "\n")
+    assert entry.cli([f"prompts_file={path}", "runtime.max_prompt_tokens=20000", "runtime.max_new_tokens=12",
+                      "runtime.drafters=[prompt_lookup]", f"out={tmp_path / 'out'}", "progress=false"]) == 2
+    assert (f"{path} line 2: prompt has 605 tokens > 500 (the model's max_position_embeddings=512 less "
+            "runtime.max_new_tokens=12)") in capsys.readouterr().err
