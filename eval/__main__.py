@@ -39,7 +39,7 @@ from omegaconf.errors import OmegaConfBaseException
 from data.config import DataConfig
 from eval.config import RuntimeConfig, check_runtime, wandb_mode
 from heads.checks import known_fields
-from heads.cli import exit_status, hydra_argv, sweep_output
+from heads.cli import TaskFlag, exit_status, hydra_argv, sweep_output
 from heads.target import TargetConfig
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -154,8 +154,12 @@ def run(cfg: EvalEntryConfig) -> dict:
     return report
 
 
+TASK = TaskFlag()  # Hydra's own errors end before it is set (heads.cli.exit_status)
+
+
 @hydra.main(config_path=CONF_DIR, config_name="eval", version_base="1.3")
 def main(cfg: DictConfig) -> None:
+    TASK.started = True
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", force=True)
     hydra_config = HydraConfig.get()
     if hydra_config.mode == RunMode.MULTIRUN:
@@ -170,13 +174,14 @@ def main(cfg: DictConfig) -> None:
 def cli(argv: list[str]) -> int:
     """The command line without the interpreter; returns the exit status."""
     saved, sys.argv = sys.argv, [sys.argv[0] if sys.argv else "eval", *hydra_argv(argv)]
+    TASK.started = False
     try:
         main()
     except HydraException as error:
         print(f"config error: {error}", file=sys.stderr)
         return 2
     except SystemExit as exit_:
-        return exit_status(exit_)
+        return exit_status(exit_, TASK)
     finally:
         sys.argv = saved
     return 0

@@ -26,7 +26,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from export.config import ExportConfig
-from heads.cli import exit_status, hydra_argv, sweep_output
+from heads.cli import TaskFlag, exit_status, hydra_argv, sweep_output
 from heads.recommended import RecommendedRuntime
 
 CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf" / "export")
@@ -131,8 +131,12 @@ def to_export_config(cfg: DictConfig) -> ExportConfig:
     return OmegaConf.to_object(merged)
 
 
+TASK = TaskFlag()  # Hydra's own errors end before it is set (heads.cli.exit_status)
+
+
 @hydra.main(config_path=CONF_DIR, config_name="default", version_base="1.3")
 def main(cfg: DictConfig) -> None:
+    TASK.started = True
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", force=True)
     hydra_config = HydraConfig.get()
     if hydra_config.mode == RunMode.MULTIRUN and cfg.out:
@@ -151,13 +155,14 @@ def cli(argv: list[str]) -> int:
     if argv and argv[0] == "validate":
         return run_validate(argv[1:])
     saved, sys.argv = sys.argv, [sys.argv[0] if sys.argv else "export", *hydra_argv(argv)]
+    TASK.started = False
     try:
         main()
     except HydraException as error:
         print(f"config error: {error}", file=sys.stderr)
         return 2
     except SystemExit as exit_:
-        return exit_status(exit_)
+        return exit_status(exit_, TASK)
     finally:
         sys.argv = saved
     return 0

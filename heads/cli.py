@@ -48,9 +48,20 @@ def sweep_output(path: str, task_overrides: list[str], key: str) -> str:
     return f"{path.rstrip('/')}/{','.join(named).replace('/', '-') or 'default'}"
 
 
-def exit_status(exit_: SystemExit) -> int:
-    """A SystemExit caught by an entry point's `cli` -> its exit status (a message goes to stderr)."""
+class TaskFlag:
+    """Whether an entry point's task function (the one `hydra.main` wraps) has started."""
+
+    def __init__(self) -> None:
+        self.started = False
+
+
+def exit_status(exit_: SystemExit, task: TaskFlag) -> int:
+    """A SystemExit caught by an entry point's `cli` -> its exit status (a message goes to stderr).
+    Hydra ends with status 1 on its own errors, reported before the task starts (an override it
+    cannot parse or apply, a config option that does not exist): usage errors, so status 2 like
+    every other one. A 1 from inside the task is a crash whose traceback Hydra printed: kept."""
     if exit_.code is None or isinstance(exit_.code, int):
-        return exit_.code or 0
+        code = exit_.code or 0
+        return 2 if code == 1 and not task.started else code
     print(exit_.code, file=sys.stderr)
     return 1

@@ -91,3 +91,19 @@ def test_multirun_jobs_run_once_each_in_their_own_folder(entry, tmp_path, monkey
     assert cli([f"{key}=3,4", "-m", f"hydra.sweep.dir={tmp_path}", f"{output_key}=runs/o"]) == 0
     folders = [config.trainer.output_dir if output_key != "out" else config.out for config in seen]
     assert folders == [f"runs/o/{key}=3", f"runs/o/{key}=4"], folders
+
+
+def test_hydras_own_errors_exit_2_and_a_crash_in_the_task_keeps_1(entry, capsys, monkeypatch):
+    import importlib
+
+    cli, override, (module, function) = entry
+    for argv in (["no_such_key=1"], [override.split("=")[0] + "=["]):  # an unknown key; an override Hydra cannot parse
+        assert cli(argv) == 2, argv
+        assert "HYDRA_FULL_ERROR" in capsys.readouterr().err, argv
+
+    def crash(*args):
+        raise RuntimeError("a bug, not a bad input")
+
+    monkeypatch.setattr(importlib.import_module(module), function, crash)
+    assert cli([override]) == 1
+    assert "a bug, not a bad input" in capsys.readouterr().err

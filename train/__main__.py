@@ -19,7 +19,7 @@ from hydra.errors import HydraException
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from heads.cli import exit_status, hydra_argv, sweep_output
+from heads.cli import TaskFlag, exit_status, hydra_argv, sweep_output
 from train.job import ConfigError, JobConfig, validate_job
 
 CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
@@ -43,10 +43,14 @@ def compose_job(overrides: list[str] | None = None) -> JobConfig:
     return to_job(cfg)
 
 
+TASK = TaskFlag()  # Hydra's own errors end before it is set (heads.cli.exit_status)
+
+
 @hydra.main(config_path=CONF_DIR, config_name="config", version_base="1.3")
 def main(cfg: DictConfig) -> None:
     from train.pipeline import run_job
 
+    TASK.started = True
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", force=True)
     hydra_config = HydraConfig.get()
     if hydra_config.mode == RunMode.MULTIRUN:
@@ -73,13 +77,14 @@ def main(cfg: DictConfig) -> None:
 def cli(argv: list[str]) -> int:
     """The command line without the interpreter; returns the exit status."""
     saved, sys.argv = sys.argv, [sys.argv[0] if sys.argv else "train", *hydra_argv(argv)]
+    TASK.started = False
     try:
         main()
     except HydraException as error:
         print(f"config error: {error}", file=sys.stderr)
         return 2
     except SystemExit as exit_:
-        return exit_status(exit_)
+        return exit_status(exit_, TASK)
     finally:
         sys.argv = saved
     return 0
