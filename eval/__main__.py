@@ -39,7 +39,7 @@ from omegaconf.errors import OmegaConfBaseException
 from data.config import DataConfig
 from eval.config import RuntimeConfig, check_runtime, wandb_mode
 from heads.checks import known_fields
-from heads.cli import TaskFlag, exit_status, hydra_argv, sweep_output
+from heads.cli import TaskFlag, exit_status, hydra_argv, interrupted, sweep_output
 from heads.target import TargetConfig
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -182,6 +182,8 @@ def cli(argv: list[str]) -> int:
         return 2
     except SystemExit as exit_:
         return exit_status(exit_, TASK)
+    except KeyboardInterrupt:
+        return interrupted("the measurement was not finished and its report not written; run the command again")
     finally:
         sys.argv = saved
     return 0

@@ -26,7 +26,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from export.config import ExportConfig
-from heads.cli import TaskFlag, exit_status, hydra_argv, sweep_output
+from heads.cli import TaskFlag, exit_status, hydra_argv, interrupted, sweep_output
 from heads.recommended import RecommendedRuntime
 
 CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf" / "export")
@@ -163,6 +163,9 @@ def cli(argv: list[str]) -> int:
         return 2
     except SystemExit as exit_:
         return exit_status(exit_, TASK)
+    except KeyboardInterrupt:
+        return interrupted("an export is renamed into place only when whole: out holds the previous export or nothing, "
+                           "never half of one; run the command again")
     finally:
         sys.argv = saved
     return 0

@@ -65,3 +65,10 @@ def exit_status(exit_: SystemExit, task: TaskFlag) -> int:
         return 2 if code == 1 and not task.started else code
     print(exit_.code, file=sys.stderr)
     return 1
+
+
+def interrupted(kept: str) -> int:
+    """Ctrl-C in an entry point: one line saying what was kept and how to go on, instead of a
+    KeyboardInterrupt traceback; status 130, the shell's for an interrupt."""
+    print(f"interrupted: {kept}", file=sys.stderr)
+    return 130

@@ -107,3 +107,17 @@ def test_hydras_own_errors_exit_2_and_a_crash_in_the_task_keeps_1(entry, capsys,
     monkeypatch.setattr(importlib.import_module(module), function, crash)
     assert cli([override]) == 1
     assert "a bug, not a bad input" in capsys.readouterr().err
+
+
+def test_ctrl_c_is_one_line_saying_what_was_kept(entry, capsys, monkeypatch):
+    import importlib
+
+    cli, override, (module, function) = entry
+
+    def interrupt(*args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(importlib.import_module(module), function, interrupt)
+    assert cli([override]) == 130
+    err = capsys.readouterr().err
+    assert err.startswith("interrupted: ") and err.count("\n") == 1 and "Traceback" not in err

@@ -19,7 +19,7 @@ from hydra.errors import HydraException
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from heads.cli import TaskFlag, exit_status, hydra_argv, sweep_output
+from heads.cli import TaskFlag, exit_status, hydra_argv, interrupted, sweep_output
 from train.job import ConfigError, JobConfig, validate_job
 
 CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
@@ -85,6 +85,9 @@ def cli(argv: list[str]) -> int:
         return 2
     except SystemExit as exit_:
         return exit_status(exit_, TASK)
+    except KeyboardInterrupt:
+        return interrupted("checkpoints and feature or regenerated shards are renamed into place only when whole, so what "
+                           "trainer.output_dir holds is usable; the same command continues from it (trainer.resume=auto)")
     finally:
         sys.argv = saved
     return 0
