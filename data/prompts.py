@@ -51,8 +51,7 @@ def load_prompt_file(path: str | Path, tokenizer, max_prompt_tokens: int | None 
     assistant message becomes the reference. Malformed lines and over-long prompts are errors
     naming the line, and `limit_source` (what sets max_prompt_tokens)."""
     if not Path(path).is_file():
-        raise FileNotFoundError(f"prompts file {path}: " + ("a folder, not a JSONL file" if Path(path).is_dir()
-                                                          else "no such file"))
+        raise FileNotFoundError(f"prompts file {path}: {not_a_file(path)}")
     text, bom, clean = read_text(path)  # a UTF-8 byte-order mark is accepted
     bad = None if clean else NOT_UTF8.search(text)
     if bad is not None:
@@ -92,6 +91,13 @@ def load_prompt_file(path: str | Path, tokenizer, max_prompt_tokens: int | None 
     if not prompts:
         raise ValueError(f"prompts file {path}: no prompts in it")
     return prompts
+
+
+def not_a_file(path: str | Path) -> str:
+    """Why `path`, which is not a regular file, cannot be read as a prompts file."""
+    if Path(path).is_dir():
+        return "a folder, not a JSONL file"
+    return "not a regular file (a FIFO, socket or device)" if Path(path).exists() else "no such file"
 
 
 def _message(message, where: str) -> dict:

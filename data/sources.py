@@ -63,6 +63,8 @@ def resolve_source(config: DataConfig) -> tuple[str, str]:
     if config.format != "auto":
         if not path.exists():
             raise FileNotFoundError(f"data.source: {path} does not exist (data.format={config.format})")
+        if not (path.is_file() or path.is_dir()):  # reading a FIFO would wait for a writer forever
+            raise ValueError(f"data.source: {path} is not a regular file or folder (a FIFO, socket or device)")
         return config.format, str(path)
     found = local_or_hub(config.source, "data.source")
     if isinstance(found, str):

@@ -115,8 +115,9 @@ def check_eval_config(cfg: EvalEntryConfig) -> None:
     cfg.data.check()
     path = cfg.prompts_file or cfg.runtime.prompts_file
     if path and not Path(path).is_file():
-        raise FileNotFoundError(f"prompts_file={path}: " + ("a folder, not a JSONL file" if Path(path).is_dir()
-                                                          else "no such file"))
+        from data.prompts import not_a_file
+
+        raise FileNotFoundError(f"prompts_file={path}: {not_a_file(path)}")
 
 
 def run(cfg: EvalEntryConfig) -> dict:

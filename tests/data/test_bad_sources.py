@@ -164,3 +164,16 @@ def test_a_lone_surrogate_in_a_prompts_file_names_the_line(tmp_path):
     path.write_text("\n" + json.dumps({"prompt": "half \udc00 pair"}) + "\n")
     with pytest.raises(ValueError, match=rf"{path} line 2: a lone surrogate escape"):
         load_prompt_file(path, tokenizer=None)
+
+
+def test_a_fifo_is_refused_as_data_and_as_a_prompts_file(tmp_path):
+    import os
+
+    from data.prompts import load_prompt_file
+
+    fifo = tmp_path / "data.json"
+    os.mkfifo(fifo)  # opening it for reading would wait for a writer forever
+    with pytest.raises(ValueError, match=rf"{fifo} is not a regular file or folder \(a FIFO"):
+        resolve_source(DataConfig(source=str(fifo), format="json"))
+    with pytest.raises(FileNotFoundError, match=r"not a regular file \(a FIFO"):
+        load_prompt_file(fifo, tokenizer=None)
