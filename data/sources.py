@@ -155,7 +155,8 @@ def parse_json_array(path: str, salvage: bool, counter: SkipCounter | None = Non
         if bad is not None:
             reason, detail = "not_utf8", f"{path}: bytes that are not UTF-8 at byte {_byte(text, bad.start(), bom)}"
         elif has_lone_surrogate(record):
-            reason, detail = "lone_surrogate", f"{path}: the record at byte {_byte(text, start, bom)} holds {LONE_SURROGATE}"
+            reason = "lone_surrogate"
+            detail = f"{path}: the record at byte {_byte(text, start, bom)} holds {LONE_SURROGATE}"
         else:
             reason = None
             records.append(record)

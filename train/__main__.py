@@ -86,8 +86,9 @@ def cli(argv: list[str]) -> int:
     except SystemExit as exit_:
         return exit_status(exit_, TASK)
     except KeyboardInterrupt:
-        return interrupted("checkpoints and feature or regenerated shards are renamed into place only when whole, so what "
-                           "trainer.output_dir holds is usable; the same command continues from it (trainer.resume=auto)")
+        return interrupted("checkpoints and feature or regenerated shards are renamed into place only when "
+                           "whole, so what trainer.output_dir holds is usable; the same command continues from "
+                           "it (trainer.resume=auto)")
     finally:
         sys.argv = saved
     return 0
