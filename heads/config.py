@@ -66,12 +66,14 @@ class Eagle3Options:
     init_fc: str = "random"
     ridge_tokens: int = 20000
     ridge_penalty: float = 1e-3
+    fc_learning_rate_scale: float = 1.0  # fc trains at this fraction of trainer.learning_rate
 
     def check(self, key: str = "heads.eagle3") -> None:
         positive(f"{key}.ttt_steps", self.ttt_steps)
         positive(f"{key}.eval_steps", self.eval_steps)
         positive(f"{key}.ridge_tokens", self.ridge_tokens)
         positive(f"{key}.ridge_penalty", self.ridge_penalty, allow_zero=True)
+        positive(f"{key}.fc_learning_rate_scale", self.fc_learning_rate_scale, allow_zero=True)
         choice(f"{key}.init_fc", self.init_fc, EAGLE3_INIT_FC)
         fraction(f"{key}.loss_decay", self.loss_decay)
         if self.aux_layer_ids is not None and not self.aux_layer_ids:

@@ -82,6 +82,16 @@ class HeadKind(Protocol):
         keeps the target's greedy tokens between evaluations of the same batch."""
 
 
+def fc_param_groups(head, learning_rate: float, scale: float) -> list[dict]:
+    """One group, or with scale != 1 two: fc at the scaled rate (a ridge-fitted fc is a solution
+    Adam's first, sign-like steps would scramble) and the rest."""
+    if scale == 1.0:
+        return [{"params": list(head.parameters())}]
+    fc = [p for name, p in head.named_parameters() if name.startswith("fc.")]
+    rest = [p for name, p in head.named_parameters() if not name.startswith("fc.")]
+    return [{"params": fc, "lr": learning_rate * scale}, {"params": rest}]
+
+
 class EagleKind:
     """EAGLE-1/2: reads the final post-norm state, predicts the next one."""
 
@@ -104,14 +114,7 @@ class EagleKind:
         return (head if vocab is None else set_draft_vocab(head, vocab)), config
 
     def param_groups(self, head, learning_rate):
-        """One group, or with fc_learning_rate_scale != 1 two: fc at the scaled rate (a
-        ridge-fitted fc is a solution Adam's first, sign-like steps would scramble) and the rest."""
-        scale = self.options.fc_learning_rate_scale
-        if scale == 1.0:
-            return [{"params": list(head.parameters())}]
-        fc = [p for name, p in head.named_parameters() if name.startswith("fc.")]
-        rest = [p for name, p in head.named_parameters() if not name.startswith("fc.")]
-        return [{"params": fc, "lr": learning_rate * scale}, {"params": rest}]
+        return fc_param_groups(head, learning_rate, self.options.fc_learning_rate_scale)
 
     def prepare(self, head, parts, source, batches, world, reduce):
         """init_fc=ridge: fit fc on the first ~ridge_tokens counted positions of the training order
@@ -214,7 +217,7 @@ class Eagle3Kind:
         return init_eagle3(build_head(config), target, vocab), config
 
     def param_groups(self, head, learning_rate):
-        return [{"params": list(head.parameters())}]
+        return fc_param_groups(head, learning_rate, self.options.fc_learning_rate_scale)
 
     def prepare(self, head, parts, source, batches, world, reduce):
         """init_fc=ridge: fit fc on the first ~ridge_tokens counted positions of the training order."""
