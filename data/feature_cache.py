@@ -239,6 +239,30 @@ def write_index(directory: str | os.PathLike) -> Path:
     return directory / "index.json"
 
 
+def _size_problem(directory: Path, shard: dict) -> str | None:
+    path = directory / shard["file"]
+    size = path.stat().st_size if path.is_file() else None
+    if size != shard["bytes"]:
+        return f"{path}: {size if size is not None else 'missing'}, index.json recorded {shard['bytes']} bytes"
+    return None
+
+
+def unfinished(directory: str | os.PathLike) -> str | None:
+    """Why the cache in `directory` cannot be read as it stands (no index.json, or a shard it lists
+    missing or damaged since), or None. A job asks before it loads the target: writing a shard
+    again needs the whole target, reading a finished cache only its parts."""
+    directory = Path(directory)
+    try:
+        shards = json.loads((directory / "index.json").read_text()).get("shards", [])
+    except (OSError, ValueError, AttributeError) as error:
+        return f"{directory / 'index.json'}: not readable ({error})"
+    for shard in shards:  # indexes written before shard sizes were recorded: their headers tell
+        problem = _size_problem(directory, shard) if "bytes" in shard else shard_problem(directory / shard["file"])
+        if problem:
+            return problem
+    return None
+
+
 class FeatureCache(torch.utils.data.Dataset):
     """Read a finished cache (its folder or index.json): `cache[i]` or `cache.by_id(id)` -> {id, input_ids (T,) int64,
     loss_mask (T,) int64, hidden {layer: (T, D)}}.
@@ -254,11 +278,8 @@ class FeatureCache(torch.utils.data.Dataset):
         self.directory = directory
         self.index = json.loads(index_path.read_text())
         for shard in self.index["shards"]:  # a cheap stat: a shard cut after the index was written
-            path = directory / shard["file"]
-            size = path.stat().st_size if path.is_file() else None
-            if "bytes" in shard and size != shard["bytes"]:
-                raise ValueError(f"{path}: {size if size is not None else 'missing'}, index.json recorded "
-                                 f"{shard['bytes']} bytes; run the data stage again (it rewrites damaged shards)")
+            if "bytes" in shard and (problem := _size_problem(directory, shard)):
+                raise ValueError(f"{problem}; run the data stage again (it rewrites damaged shards)")
         self.layers: list[int] = self.index["layers"]
         self.dtype = _DTYPES[self.index["dtype"]]
         self._where: list[tuple[int, int]] = []

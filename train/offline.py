@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from data.feature_cache import FeatureCache, shard_name, write_feature_cache, write_index
+from data.feature_cache import FeatureCache, shard_name, unfinished, write_feature_cache, write_index
 from train.kinds import head_kind
 
 log = logging.getLogger(__name__)
@@ -112,12 +112,15 @@ def parts_only_layers(job) -> list[int] | None:
     and no stage runs the target: those its head kind's build reads (EAGLE: layer 0, whose shape
     the head copies, and heads.eagle.init_layer, its initial weights; Medusa: none); none with
     trainer.init_from.
-    None when the job needs the whole target: online mode, an unfinished cache, regeneration, eval."""
+    None when the job needs the whole target: online mode, an unfinished or damaged cache,
+    regeneration, eval."""
     stages = set(job.stages)
     runs_target = job.data.regenerate.enabled or not stages <= {"data", "features", "train", "export"}
     if job.data.mode != "offline" or runs_target:
         return None
-    if not (feature_cache_dir(job) / "index.json").is_file():
+    problem = unfinished(feature_cache_dir(job))
+    if problem:  # a missing or damaged shard: only the whole target can write it again
+        log.info("feature cache: %s; loading the whole target", problem)
         return None
     if job.trainer.init_from:
         return []

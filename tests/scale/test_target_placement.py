@@ -154,3 +154,21 @@ def test_a_job_extracts_features_then_trains_from_target_parts(tmp_path, monkeyp
     monkeypatch.setattr(LlamaDecoderLayer, "__init__", lambda self, *a, **k: (built.append(1), init(self, *a, **k))[1])
     summary = run_job(pipeline_job(tiny_chat_model, tmp_path, "run", 2, *common, "stages=[train]", records="8"))
     assert summary["train"]["steps"] == 2 and built == []
+
+
+def test_a_shard_damaged_after_the_index_loads_the_whole_target_to_write_it_again(tmp_path, tiny_chat_model):
+    """A finished cache whose shard was cut later: the rerun cannot train from target parts, whose
+    forward cannot write the shard; it loads the whole target, rewrites the shard and trains."""
+    from data.feature_cache import FeatureCache, shard_name
+    from train.pipeline import run_job
+
+    common = ("heads=medusa", "data.mode=offline", "data.feature_cache_dtype=float32", "data.feature_shard_records=8")
+    run_job(pipeline_job(tiny_chat_model, tmp_path, "run", 1, *common, "stages=[data,features]"))
+    shard = tmp_path / "run" / "features" / shard_name(1)
+    whole = shard.read_bytes()
+    shard.write_bytes(whole[:len(whole) // 2])
+    job = pipeline_job(tiny_chat_model, tmp_path, "run", 1, *common, "stages=[data,features,train]")
+    assert parts_only_layers(job) is None
+    summary = run_job(job)
+    assert summary["train"]["steps"] == 1 and shard.read_bytes() == whole
+    assert len(FeatureCache(tmp_path / "run" / "features")) == 24
