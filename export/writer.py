@@ -21,7 +21,8 @@ from export.manifest import (MANIFEST_NAME, README_NAME, base_model_from_target,
                              recommended_runtime)
 from export.vocab_file import VOCAB_FILE, manifest_entry, split_state, write_sidecar
 from export.validate import ExportValidationError, read_manifest, validate_export
-from heads.io import check_against_target, fingerprint_differences, head_type, non_finite_keys, sha256_file
+from heads.io import (check_against_target, fingerprint_differences, head_type, non_finite_keys, raise_if_disk_full,
+                      sha256_file, tensor_bytes)
 
 log = logging.getLogger(__name__)
 
@@ -135,6 +136,12 @@ def _carry(names: list[str], out: Path, tmp: Path) -> None:
         log.info("kept %d file(s) of yours from the earlier export in %s: %s", len(names), out, ", ".join(names))
 
 
+def _size(path: Path) -> int:
+    if path.is_dir() and not path.is_symlink():
+        return sum(file.lstat().st_size for file in path.rglob("*"))
+    return path.lstat().st_size
+
+
 def _for_base(config, target):
     """(config, notes): a head exported for another base model than its own (strict_fingerprint
     off) carries the base's fingerprint, so the manifest names one model in both places; a note
@@ -232,8 +239,10 @@ def export_head(head: nn.Module, config, fmt: str, out_dir: str | os.PathLike, t
         validate_export(tmp, target)  # also checks the embedding / lm_head copies against the target
         _fsync_dir(tmp)
         _place(tmp, out)
-    except BaseException:
+    except BaseException as error:
         shutil.rmtree(tmp, ignore_errors=True)
+        needed = tensor_bytes(tensors) + sum(_size(out / name) for name in kept)
+        raise_if_disk_full(error, out, needed, "the export", "free some space or choose another out=")
         raise
     log.info("exported %s head as %s (%s) to %s", kind, fmt, dtype, out)
     try:

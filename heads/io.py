@@ -9,9 +9,11 @@ records each file's bytes and sha256; `load_head` checks the head's files agains
 """
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -38,6 +40,44 @@ class HeadMismatchError(ValueError):
 class HeadFileError(ValueError):
     """A head or checkpoint file that cannot be used: not readable, not JSON, damaged, or holding
     non-finite weights. The message names the file."""
+
+
+class DiskFullError(OSError):
+    """A write ran out of disk space; the message names the folder and the bytes it needed."""
+
+    def __init__(self, message: str):
+        super().__init__(message)  # one argument: str() is the message alone, without "[Errno 28]"
+        self.errno = errno.ENOSPC
+
+
+def tensor_bytes(value) -> int:
+    """Bytes of the tensors in a (nested) state dict: about what writing it takes on disk."""
+    if isinstance(value, torch.Tensor):
+        return value.numel() * value.element_size()
+    if isinstance(value, dict):
+        return sum(tensor_bytes(item) for item in value.values())
+    if isinstance(value, (list, tuple)):
+        return sum(tensor_bytes(item) for item in value)
+    return 0
+
+
+def raise_if_disk_full(error: BaseException, folder: str | os.PathLike, needed_bytes: int, what: str,
+                       advice: str) -> None:
+    """Call in an `except` block after the write's temporaries are removed: raise DiskFullError
+    when `error` is the disk running out of space. The writers do not say so in one way: an
+    OSError says ENOSPC, but torch.save raises a RuntimeError ("enforce fail at inline_container.cc")
+    and safetensors a SafetensorError, so any other failed write counts as full when the folder's
+    disk has less free than the write needed."""
+    folder = Path(folder).resolve()
+    existing = next(path for path in (folder, *folder.parents) if path.exists())
+    free = shutil.disk_usage(existing).free
+    if isinstance(error, OSError):
+        full = error.errno in (errno.ENOSPC, errno.EDQUOT)
+    else:
+        full = isinstance(error, Exception) and free < needed_bytes
+    if full:
+        raise DiskFullError(f"{folder}: no space left on its disk: {what} needs about {needed_bytes:,} bytes "
+                            f"and {free:,} are free; {advice}") from None
 
 
 def non_finite_keys(tensors: dict[str, torch.Tensor]) -> list[str]:

@@ -26,8 +26,8 @@ from pathlib import Path
 
 import torch
 
-from heads.io import (STATE_NAME, HeadFileError, non_finite_keys, read_weights, recorded_file_problems,
-                      save_head, sha256_file)
+from heads.io import (STATE_NAME, HeadFileError, non_finite_keys, raise_if_disk_full, read_weights,
+                      recorded_file_problems, save_head, sha256_file, tensor_bytes)
 from train.run_identity import RUN_KEY, identity_differences
 
 log = logging.getLogger(__name__)
@@ -82,14 +82,23 @@ def save_checkpoint(root: str | os.PathLike, step: int, head, head_config, optim
     tmp = root / f".tmp-{final.name}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
-    save_head(tmp, head, head_config, extra={"step": step})
-    torch.save(optimizer_state, tmp / "optimizer.pt")
-    torch.save(scheduler_state, tmp / "scheduler.pt")
-    torch.save({"ranks": rng_states}, tmp / "rng.pt")
-    files = {p.name: {"bytes": p.stat().st_size, "sha256": sha256_file(p)} for p in sorted(tmp.iterdir())}
-    state = {**trainer_state, "step": step, "files": files, "complete": True}
-    (tmp / STATE_NAME).write_text(json.dumps(state, indent=1))
-    _fsync_dir(tmp)
+    try:
+        save_head(tmp, head, head_config, extra={"step": step})
+        torch.save(optimizer_state, tmp / "optimizer.pt")
+        torch.save(scheduler_state, tmp / "scheduler.pt")
+        torch.save({"ranks": rng_states}, tmp / "rng.pt")
+        files = {p.name: {"bytes": p.stat().st_size, "sha256": sha256_file(p)} for p in sorted(tmp.iterdir())}
+        state = {**trainer_state, "step": step, "files": files, "complete": True}
+        (tmp / STATE_NAME).write_text(json.dumps(state, indent=1))
+        _fsync_dir(tmp)
+    except BaseException as error:  # a half-written folder would keep filling the disk it ran out of
+        shutil.rmtree(tmp, ignore_errors=True)
+        needed = tensor_bytes([head.state_dict(), optimizer_state, scheduler_state, rng_states])
+        last = latest_valid_checkpoint(root, ours)
+        raise_if_disk_full(error, root, needed, f"checkpoint {final.name}",
+                           f"training stopped, the last checkpoint is {last or 'none'}: free some space and run "
+                           "the job again (it resumes), or choose another trainer.output_dir")
+        raise
     if final.exists():  # re-saving a step (after a resume): move the old one aside first
         old = root / f".old-{final.name}"
         shutil.rmtree(old, ignore_errors=True)

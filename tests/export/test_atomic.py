@@ -1,7 +1,9 @@
 """A crash while exporting leaves nothing that looks like a valid export; W&B gets the artifact."""
 from __future__ import annotations
 
+import errno
 import json
+import shutil
 import sys
 import types
 
@@ -9,6 +11,7 @@ import pytest
 
 import export.writer as writer
 from export import ExportValidationError, export_head, validate_export
+from heads.io import DiskFullError
 from tests.export.conftest import make_eagle
 
 
@@ -78,6 +81,50 @@ def test_failed_rename_restores_the_previous_export(tmp_path, target, monkeypatc
     monkeypatch.setattr(writer.os, "replace", real)
     assert validate_export(out, target)["dtype"] == "bfloat16"
     assert [p.name for p in tmp_path.iterdir()] == ["out"]
+
+
+def _half_written(error):
+    """A writer that fills part of its file, then fails the way a full disk makes it fail."""
+    def save_file(tensors, path, metadata=None):
+        with open(path, "wb") as handle:
+            handle.write(b"\x00" * 1000)
+        raise error
+    return save_file
+
+
+def _free(monkeypatch, free: int):
+    usage = shutil.disk_usage("/")
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage._replace(free=free))
+
+
+@pytest.mark.parametrize("error", [OSError(errno.ENOSPC, "No space left on device"),
+                                   "SafetensorError"])  # what safetensors raises for it: says no errno
+def test_a_full_disk_is_one_error_naming_the_folder_and_bytes_and_leaves_no_temporary(tmp_path, target,
+                                                                                       monkeypatch, error):
+    from safetensors import SafetensorError
+
+    head, config = make_eagle(target)
+    if error == "SafetensorError":
+        error = SafetensorError("Error while serializing: I/O error")
+    monkeypatch.setattr(writer, "save_file", _half_written(error))
+    _free(monkeypatch, 100)
+    needed = sum(p.numel() * 2 for p in head.state_dict().values())  # bf16; plus the target's embedding copies
+    with pytest.raises(DiskFullError, match=rf"{tmp_path / 'out'}: no space left on its disk: the export needs "
+                                            r"about [\d,]+ bytes and 100 are free; .*choose another out=") as caught:
+        export_head(head, config, "eagle", tmp_path / "out", target)
+    assert int(str(caught.value).split("about ")[1].split(" ")[0].replace(",", "")) >= needed
+    assert "\n" not in str(caught.value) and isinstance(caught.value, OSError)  # the CLIs print one line
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_failed_write_with_room_to_spare_is_not_called_a_full_disk(tmp_path, target, monkeypatch):
+    from safetensors import SafetensorError
+
+    head, config = make_eagle(target)
+    monkeypatch.setattr(writer, "save_file", _half_written(SafetensorError("some other trouble")))
+    with pytest.raises(SafetensorError, match="some other trouble"):
+        export_head(head, config, "eagle", tmp_path / "out", target)
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_reexport_replaces_the_folder(tmp_path, target):

@@ -139,3 +139,31 @@ def test_a_checkpoint_damaged_at_the_same_size_is_refused_wherever_its_head_is_r
     for load in (lambda: load_head(path, target), lambda: load_export(path, target)):
         with pytest.raises(HeadFileError, match=r"damaged checkpoint: .*model.safetensors: sha256 differs"):
             load()
+
+
+def test_a_full_disk_stops_with_one_error_and_no_hidden_temporary(tmp_path, target, monkeypatch):
+    """torch.save on a full disk raises a RuntimeError without an errno: the folder's free space
+    tells it from another failure, and the half-written `.tmp-step-*` folder goes."""
+    import shutil
+
+    from heads.io import DiskFullError
+
+    first, _ = _save(tmp_path, 1, target)
+    real = torch.save
+
+    def save(value, path):
+        with open(path, "wb") as handle:
+            handle.write(b"\x00" * 1000)
+        raise RuntimeError("[enforce fail at inline_container.cc:626] . unexpected pos 1000 vs 896")
+    monkeypatch.setattr(torch, "save", save)
+    usage = shutil.disk_usage(tmp_path)
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage._replace(free=2000))
+    with pytest.raises(DiskFullError, match=rf"{tmp_path}: no space left on its disk: checkpoint step-00000002 needs "
+                                            rf"about [\d,]+ bytes and 2,000 are free; .*last checkpoint is {first}"):
+        _save(tmp_path, 2, target)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [first.name]
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage)  # room enough: another failure stays itself
+    with pytest.raises(RuntimeError, match="inline_container"):
+        _save(tmp_path, 2, target)
+    monkeypatch.setattr(torch, "save", real)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [first.name]
