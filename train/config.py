@@ -82,7 +82,7 @@ class DeepSpeedConfig:
     zero_stage: int = 2
     offload_optimizer: bool = False  # ZeRO optimizer states in CPU memory
     config_file: str | None = None  # an explicit DeepSpeed JSON overrides the generated one
-    num_gpus: int = 8  # GPUs per node the plan (and scripts/launch_*.sh by default) assume
+    num_gpus: int | None = None  # GPUs per node the plan assumes; None: what a launch here gets (train.plan)
     num_nodes: int = 1
     gpu_memory_gb: float = 80.0  # memory of one GPU, for the plan's fit check
     memory_headroom: float = 0.9  # fraction of gpu_memory_gb the plan lets a job use
@@ -91,7 +91,8 @@ class DeepSpeedConfig:
 
     def check(self, key: str = "deepspeed") -> None:
         choice(f"{key}.zero_stage", self.zero_stage, ZERO_STAGES)
-        positive(f"{key}.num_gpus", self.num_gpus)
+        if self.num_gpus is not None:
+            positive(f"{key}.num_gpus", self.num_gpus)
         positive(f"{key}.num_nodes", self.num_nodes)
         positive(f"{key}.gpu_memory_gb", self.gpu_memory_gb)
         positive(f"{key}.gpu_tflops", self.gpu_tflops)

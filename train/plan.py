@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import math
 import shutil
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
+
+import torch
 
 from data.config import EMBEDDED_SHAREGPT
 from train.job import JobConfig, TargetArch
@@ -56,6 +58,7 @@ class Plan:
     feature_extraction: list[Item] = field(default_factory=list)  # offline mode only
     extraction_replicas_per_node: int = 0
     processes_per_node: int = 1  # what the launcher's -n must be
+    gpus_from: str = ""  # where the GPUs per node came from (planned_gpus)
     training: list[Item] = field(default_factory=list)
     evaluation: list[Item] = field(default_factory=list)  # rank 0, on the GPU of its target group holding most
     cache_bytes: float = 0.0
@@ -207,11 +210,25 @@ def _sizes(job: JobConfig) -> tuple[int, float, float, float]:
     return dtype_bytes, budget, target_gb, forward_gb
 
 
+def planned_gpus(job: JobConfig) -> tuple[JobConfig, str]:
+    """(job with deepspeed.num_gpus set, where the count came from). A recipe for a cluster names
+    its GPUs; unset, the count is what launching the job here gives: a process per GPU of this
+    machine (scripts/launch_single_node.sh), one process on a machine without one or with
+    model.device=cpu, as a plain `python -m train` runs."""
+    if job.deepspeed.num_gpus is not None:
+        return job, f"deepspeed.num_gpus={job.deepspeed.num_gpus}"
+    gpus = 0 if job.model.device.startswith("cpu") else torch.cuda.device_count()
+    where = (f"this machine's {gpus} GPU(s)" if gpus else
+             "no GPU here: 1 process; deepspeed.num_gpus=N plans a node of N GPUs")
+    return replace(job, deepspeed=replace(job.deepspeed, num_gpus=max(gpus, 1))), where
+
+
 def target_span(job: JobConfig) -> int:
     """GPUs one copy of the whole target spans when it runs (feature extraction in offline mode,
     every step online; offline with the target kept loaded for eval, it shares its GPUs with the
     training): 1 = replicated on every GPU, else split over a group of that many GPUs.
     Decided by deepspeed.target_placement, deepspeed.num_gpus and gpu_memory_gb."""
+    job, _ = planned_gpus(job)
     dtype_bytes, budget, target_gb, forward_gb = _sizes(job)
     if job.data.mode == "offline" and not whole_target_resident(job):
         return _target_placement(job, target_gb, budget, forward_gb)
@@ -278,6 +295,7 @@ def make_plan(job: JobConfig, num_records: int | None = None, tokens_per_record:
     data-parallel world is num_gpus * num_nodes / S.
     """
     arch = _require(job.model.arch)
+    job, gpus_from = planned_gpus(job)
     ds, trainer = job.deepspeed, job.trainer
     dtype_bytes, budget, target_gb, forward_gb = _sizes(job)
     B, T, D = trainer.batch_size, job.data.max_length, arch.hidden_size
@@ -328,6 +346,7 @@ def make_plan(job: JobConfig, num_records: int | None = None, tokens_per_record:
         steps_per_epoch=max(1, math.ceil(num_records / global_batch)), global_batch=global_batch,
         training=training, gpu_budget_gb=budget, max_steps=trainer.max_steps,
         processes_per_node=world // ds.num_nodes if offline else processes // span if span > 1 else processes,
+        gpus_from=gpus_from,
     )
     if "eval" in job.stages:
         plan.evaluation = _eval_items(job, span, target_gb, dtype_bytes)
@@ -402,7 +421,7 @@ def _duration(hours: float) -> str:
 def format_plan(plan: Plan) -> str:
     """The plan as a table for the terminal."""
     lines = [
-        f"dry run: {plan.recipe} ({plan.head_type} head), {plan.world_size} data-parallel process(es)",
+        f"dry run: {plan.recipe} ({plan.head_type} head), {plan.world_size} data-parallel process(es) ({plan.gpus_from})",
         f"  head parameters: {plan.trainable_parameters:,} trainable"
         + (f" + {plan.frozen_head_parameters:,} frozen (target embedding/lm_head)" if plan.frozen_head_parameters else ""),
         f"  target parameters: {plan.target_parameters:,}",
@@ -425,8 +444,11 @@ def format_plan(plan: Plan) -> str:
         lines.append(f"  eval, rank 0, its busiest GPU ({plan.evaluation_gb:.1f} / {plan.gpu_budget_gb:.1f} GB usable; "
                      f"peak = target + KV cache + head):")
         lines += [f"    {i.name:<28} {i.gigabytes:8.2f} GB  {i.note}" for i in plan.evaluation]
-    lines.append(f"  launch: {plan.processes_per_node} process(es) per node "
-                 f"(scripts/launch_single_node.sh -n {plan.processes_per_node} +recipe={plan.recipe})")
+    if plan.world_size == 1:  # one process needs no launcher
+        lines.append(f"  launch: 1 process (python -m train +recipe={plan.recipe})")
+    else:
+        lines.append(f"  launch: {plan.processes_per_node} process(es) per node "
+                     f"(scripts/launch_single_node.sh -n {plan.processes_per_node} +recipe={plan.recipe})")
     if plan.problems:
         lines.append("  does not fit:")
         lines += [f"    - {problem}" for problem in plan.problems]

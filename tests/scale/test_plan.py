@@ -202,3 +202,21 @@ def test_time_estimate_scales_with_steps_and_assumed_throughput():
     tokens = base.num_records * base.tokens_per_record  # one forward of the target per token, 2 copies
     assert base.extraction_hours == pytest.approx(2 * base.target_parameters * tokens / (2 * 400e12) / 3600)
     assert "time (compute only, estimate at deepspeed.gpu_tflops=400" in format_plan(base)
+
+
+def test_the_default_job_plans_the_processes_a_launch_here_would_start(monkeypatch):
+    """No deepspeed.num_gpus in the job: one process without a GPU (a plain python -m train), one
+    per GPU with them; a count the user (or a cluster recipe) gives is planned as given."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    plan = make_plan(compose_job([]))
+    B, accumulation = compose_job([]).trainer.batch_size, compose_job([]).trainer.grad_accumulation
+    assert (plan.world_size, plan.processes_per_node, plan.global_batch) == (1, 1, B * accumulation)
+    text = format_plan(plan)
+    assert "1 data-parallel process(es) (no GPU here" in text and "launch: 1 process (python -m train" in text
+    assert make_plan(compose_job(["deepspeed.num_gpus=4"])).world_size == 4
+    assert make_plan(compose_job(["+recipe=eagle_llama3_8b"])).world_size == 8  # a cluster recipe names its GPUs
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert make_plan(compose_job([])).world_size == 2
+    assert make_plan(compose_job(["model.device=cpu"])).world_size == 1
