@@ -91,7 +91,8 @@ def save_checkpoint(root: str | os.PathLike, step: int, head, head_config, optim
         state = {**trainer_state, "step": step, "files": files, "complete": True}
         (tmp / STATE_NAME).write_text(json.dumps(state, indent=1))
         _fsync_dir(tmp)
-    except BaseException as error:  # a half-written folder would keep filling the disk it ran out of
+    except Exception as error:  # a failed write (a full disk) removes its half-written folder; a kill
+        # cannot, and the next run's save clears such leftovers
         shutil.rmtree(tmp, ignore_errors=True)
         needed = tensor_bytes([head.state_dict(), optimizer_state, scheduler_state, rng_states])
         last = latest_valid_checkpoint(root, ours)
