@@ -129,7 +129,7 @@ def step_counters(accepted: Sequence[int], drafted: Sequence[int], k: int) -> di
     """Our steps of one prompt -> the engine's counters: drafts (steps that drafted), draft and
     accepted tokens, accepted at position i = 1..K."""
     steps = [a for a, size in zip(accepted, drafted) if size > 0]
-    return {"drafts": len(steps), "draft_tokens": sum(s for s in drafted if s > 0), "accepted_tokens": sum(steps),
+    return {"drafts": len(steps), "draft_tokens": sum(drafted), "accepted_tokens": sum(steps),
             "accepted_per_position_counts": [sum(a >= i for a in steps) for i in range(1, k + 1)]}
 
 
@@ -153,14 +153,14 @@ def training_estimate(manifest: dict, k: int) -> dict | None:
     accuracies = [held_out.get(f"eval/top1_{unit}{i}") for i in range(k)]
     if not accuracies or accuracies[0] is None:
         return None
-    rates, survive = [], 1.0
+    survival, survive = [], 1.0
     for accuracy in accuracies:
         if accuracy is None:
             break
         survive *= accuracy
-        rates.append(survive)
-    return {"accepted_per_position": rates, "mean_acceptance_length": 1 + sum(rates),
-            "steps_known": len(rates), "source": "specheads.json training.held_out (top-1 per draft step)"}
+        survival.append(survive)
+    return {"accepted_per_position": survival, "mean_acceptance_length": 1 + sum(survival),
+            "steps_known": len(survival), "source": "specheads.json training.held_out (top-1 per draft step)"}
 
 
 def chain_drafter(head, lean, k: int):

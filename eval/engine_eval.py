@@ -87,13 +87,13 @@ def measure_engine(target, heads: Sequence[EngineHead], prompts: Sequence[dict],
     claim(out_dir, ["report.json", "report.md", "engine_work"])
     k = _k(heads[0].manifest, runtime, k)
     dtype = "bfloat16" if runtime.dtype in ("bfloat16", "bf16") else "float32"
-    folders = [h.folder for h in heads]
     ids = [list(p["prompt_ids"]) for p in prompts]
     ours = run_ours(target, [h.head.eval() for h in heads], ids, k, runtime, dtype, transformers)
+    head_cases = [EngineCase(f"head{i}", h.folder, k, h.method) for i, h in enumerate(heads)]
     cases = []
-    for i, h in enumerate(heads):
-        cases.append(EngineCase(f"head{i}", h.folder, k, h.method))
-        cases += [EngineCase(f"head{i}:{name}", Path(path), k, h.method, count) for name, path, count in h.broken]
+    for case, h in zip(head_cases, heads):
+        cases += [case, *(EngineCase(f"{case.name}:{name}", Path(path), k, h.method, count)
+                          for name, path, count in h.broken)]
     answer = run_vllm(target, ids, cases, runtime.max_new_tokens, runtime.temperature, runtime.seed,
                       out_dir / "engine_work", dtype, threads=runtime.threads or None, python=python)
     runs = {run["name"]: run for run in answer["runs"]}
@@ -111,7 +111,7 @@ def measure_engine(target, heads: Sequence[EngineHead], prompts: Sequence[dict],
         "speed": speed,
         "tokens": {"engine_plain_vs_ours_plain": _identical(engine_plain["tokens"], ours["plain"]["tokens"])},
         "heads": [_head_report(h, case, runs, ours, chain, engine_plain, prompts, runtime, k)
-                  for h, case, chain in zip(heads, [c for c in cases if ":" not in c.name], ours["chains"])],
+                  for h, case, chain in zip(heads, head_cases, ours["chains"])],
         "notes": NOTES,
     }
     (out_dir / "report.json").write_text(json.dumps(report, indent=2))

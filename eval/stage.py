@@ -98,12 +98,11 @@ def engine_heads(target, folders: Sequence, work: str | os.PathLike) -> list:
     read by the one head loader, and the folder of the layout vLLM loads for it (the folder itself
     when it is one, its subfolder of that layout as a release head has, else an export of the
     head into `work`)."""
-    import json
-
     from eval.engine import VLLM_LAYOUTS, VLLM_METHODS
     from eval.engine_eval import EngineHead
     from export import export_head, load_export
     from export.manifest import MANIFEST_NAME
+    from export.validate import read_manifest
     from heads.io import head_type
 
     heads = []
@@ -112,17 +111,13 @@ def engine_heads(target, folders: Sequence, work: str | os.PathLike) -> list:
         folder = Path(folder)
         head, config, manifest = load_export(folder, target, dtype="float32")
         layout = VLLM_LAYOUTS[head_type(config)]
-        engine_folder = None
-        for candidate in (folder, folder / layout):
-            if (candidate / MANIFEST_NAME).is_file():
-                fmt = json.loads((candidate / MANIFEST_NAME).read_text()).get("format")
-                if fmt in VLLM_METHODS:
-                    engine_folder = candidate
-                    break
-        if engine_folder is None:
-            out = Path(work) / f"engine_export_{index}" / layout
-            log.info("exporting %s as %s into %s for the engine", folder, layout, out)
-            engine_folder, fmt = export_head(head, config, layout, out, target, dtype="float32"), layout
+        engine_folder, fmt = folder, manifest.get("format")
+        if fmt not in VLLM_METHODS and (folder / layout / MANIFEST_NAME).is_file():
+            engine_folder, fmt = folder / layout, read_manifest(folder / layout)["format"]
+        if fmt not in VLLM_METHODS:
+            engine_folder = Path(work) / f"engine_export_{index}" / layout
+            log.info("exporting %s as %s into %s for the engine", folder, layout, engine_folder)
+            engine_folder, fmt = export_head(head, config, layout, engine_folder, target, dtype="float32"), layout
         heads.append(EngineHead(folder, head, manifest, engine_folder, VLLM_METHODS[fmt], list(broken)))
     return heads
 

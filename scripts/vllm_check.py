@@ -7,8 +7,7 @@ vLLM and the standard library. eval/engine.py writes the job and reads the answe
 JOB.json: {"target": local folder of the base model, "dtype": "float32" | "bfloat16",
 "prompts": [[token ids], ...], "max_tokens": int, "temperature": float, "seed": int,
 "plain": bool (also run the engine without a draft), "cases": [{"name", "method" (eagle3 | eagle |
-medusa | ngram), "model" (draft folder; none for ngram), "k", "prompts" (how many of the prompts;
-null: all)}]}.
+medusa), "model" (draft folder), "k", "prompts" (how many of the prompts; null: all)}]}.
 
 OUT.json: per run its output token ids per prompt, its seconds in `generate` and, for a speculative
 run, the engine's spec-decode counters per prompt: drafts (speculative steps), draft_tokens,
@@ -64,10 +63,7 @@ def run_one(job: dict, case: dict | None) -> dict:
                    distributed_executor_backend="uni")
     if case is not None:
         config = {"method": case["method"], "num_speculative_tokens": case["k"]}
-        if case.get("model"):
-            config["model"] = case["model"]
-        if case["method"] == "ngram":
-            config.update(prompt_lookup_max=case.get("prompt_lookup_max", 4), prompt_lookup_min=1)
+        config["model"] = case["model"]
         options["speculative_config"] = config
     llm = LLM(**options)
     params = SamplingParams(temperature=job["temperature"], max_tokens=job["max_tokens"], seed=job["seed"],
