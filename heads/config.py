@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 from heads.checks import choice, fraction, positive
 
-HEAD_TYPES = ("eagle", "eagle3", "medusa")  # heads.io maps each to its config and module
+HEAD_TYPES = ("eagle", "eagle3", "medusa", "dflash")  # heads.io maps each to its config and module
 INIT_FC = ("feature", "random", "ridge")  # heads.eagle.init_from_target's fc starts
 EAGLE3_INIT_FC = ("random", "ridge")  # heads.eagle3's fc starts
 
@@ -82,6 +82,29 @@ class Eagle3Options:
 
 
 @dataclass
+class DflashOptions:
+    aux_layer_ids: list[int] | None = None  # as heads.eagle3.aux_layer_ids; None: [2, L//2, L-3]
+    num_layers: int = 1  # L_d draft decoder layers
+    block_size: int = 16  # B: the anchor plus B-1 drafted tokens, proposed in one forward
+    mask_token_id: int = 0  # the token of the B-1 slots to fill (SmolLM2: <|endoftext|>)
+    max_anchors: int = 512  # blocks per sequence and step, drawn at random among loss positions
+    dpace_alpha: float = 0.5  # slot weights: prefix products of (1-a)·exp(-CE) + a, summed to the end
+    eval_anchors: int = 64  # blocks per held-out sequence (a fixed draw, the same at every evaluation)
+
+    def check(self, key: str = "heads.dflash") -> None:
+        for name in ("num_layers", "max_anchors", "eval_anchors"):
+            positive(f"{key}.{name}", getattr(self, name))
+        positive(f"{key}.mask_token_id", self.mask_token_id, allow_zero=True)
+        fraction(f"{key}.dpace_alpha", self.dpace_alpha)
+        if self.block_size < 2:
+            raise ValueError(f"{key}.block_size={self.block_size}: a block is the anchor plus at least one "
+                             "drafted token")
+        if self.aux_layer_ids is not None and not self.aux_layer_ids:
+            raise ValueError(f"{key}.aux_layer_ids is empty: DFlash reads at least one target layer "
+                             "(null: the default [2, L//2, L-3])")
+
+
+@dataclass
 class HeadsConfig:
     type: str = "eagle"  # eagle | eagle3 | medusa
     hidden_size: int | None = None  # None: the target's; set only to check a recipe
@@ -92,6 +115,7 @@ class HeadsConfig:
     medusa: MedusaOptions = field(default_factory=MedusaOptions)
     eagle: EagleOptions = field(default_factory=EagleOptions)
     eagle3: Eagle3Options = field(default_factory=Eagle3Options)
+    dflash: DflashOptions = field(default_factory=DflashOptions)
 
     def check(self) -> None:
         """Each field's own rule; raises ValueError naming the key."""
@@ -100,3 +124,4 @@ class HeadsConfig:
         self.medusa.check()
         self.eagle.check()
         self.eagle3.check()
+        self.dflash.check()

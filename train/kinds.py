@@ -29,6 +29,7 @@ from heads.eagle3 import set_fc_by_ridge as set_eagle3_fc_by_ridge
 from heads.io import build_head
 from heads.medusa import MedusaConfig, init_from_target as init_medusa
 from heads.vocab import set_draft_vocab
+from train.dflash_objective import DflashKind
 from train.eagle3_objective import eagle3_ridge_sums, eagle3_step, feature_layers as eagle3_feature_layers
 from train.heldout import eagle3_eval_counts, eagle_eval_counts, medusa_eval_counts
 from train.objectives import FINAL, FeatureSource, FrozenParts, eagle_step, medusa_step, ridge_sums
@@ -252,6 +253,7 @@ class Eagle3Kind:
 
 KINDS = {"eagle": lambda heads: EagleKind(heads.eagle), "medusa": lambda heads: MedusaKind(heads.medusa),
          "eagle3": lambda heads: Eagle3Kind(heads.eagle3)}
+KINDS["dflash"] = lambda heads: DflashKind(heads.dflash)
 
 
 def head_kind(heads: HeadsConfig) -> HeadKind:
