@@ -198,3 +198,21 @@ def eagle3_loss(hidden: list[torch.Tensor], lm_head_weight: torch.Tensor, teache
         hits.append(full)
         outside.append(int((~keep).sum()))
     return {"loss": total, "step_losses": losses, "hits": hits, "out_of_vocab": outside}
+
+
+def kl_divergence_chunked(hidden: torch.Tensor, lm_head_weight: torch.Tensor, teacher_logits: torch.Tensor,
+                          rows: torch.Tensor, chunk_size: int = 1024) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row KL(p || q), p = softmax(teacher_logits[rows]), q = softmax(hidden @ lm_head_weight.T)
+    (P-EAGLE's loss, speculators' `kl_div`): hidden (N, D) normed draft states, lm_head (Vd, D),
+    teacher_logits (M, Vd), rows (N,) long. Returns (kl (N,) differentiable, hits (N,) bool:
+    argmax q == argmax p)."""
+    losses, hits = [], []
+    for start, logits in chunked_logits(hidden, lm_head_weight, chunk_size):
+        with torch.no_grad():
+            teacher = teacher_logits[rows[start:start + logits.shape[0]]].float()  # (n, Vd)
+            log_p = torch.log_softmax(teacher, -1)
+        losses.append((log_p.exp() * (log_p - torch.log_softmax(logits.float(), -1))).sum(-1))
+        hits.append(logits.detach().argmax(-1) == teacher.argmax(-1))
+    if not losses:
+        return hidden.sum(-1) * 0.0, torch.zeros(0, dtype=torch.bool, device=hidden.device)
+    return torch.cat(losses), torch.cat(hits)
