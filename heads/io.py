@@ -1,9 +1,9 @@
 """Native head checkpoint: `head_config.json` + `model.safetensors`, each written atomically.
 
-head_config.json = {"type": "eagle" | "eagle3" | "medusa" | "dflash", "config": {<its config dataclass's fields>},
+head_config.json = {"type": "eagle" | "eagle3" | "medusa" | "dflash" | "peagle", "config": {<its config dataclass's fields>},
                     "format_version": 1, **extra}
 The head's draft vocabulary is part of its weights: `draft_vocab` (sorted target ids, EAGLE-1/2
-and Medusa with config draft_vocab_size > 0) or `d2t`/`t2d` (EAGLE-3); heads/vocab.py.
+and Medusa with config draft_vocab_size > 0) or `d2t`/`t2d` (EAGLE-3, P-EAGLE); heads/vocab.py.
 A training checkpoint (train/checkpoint.py) is such a folder plus `trainer_state.json`, which
 records each file's bytes and sha256; `load_head` checks the head's files against it.
 """
@@ -25,6 +25,7 @@ from heads.dflash import DflashConfig, DflashHead
 from heads.eagle import EagleConfig, EagleHead
 from heads.eagle3 import Eagle3Config, Eagle3Head
 from heads.medusa import MedusaConfig, MedusaHeads
+from heads.peagle import PeagleConfig, PeagleHead
 from heads.vocab import VOCAB_KEY, check_ids, stores_id_list
 
 CONFIG_NAME = "head_config.json"
@@ -32,7 +33,7 @@ WEIGHTS_NAME = "model.safetensors"
 STATE_NAME = "trainer_state.json"  # a training checkpoint's record of its files (train/checkpoint.py)
 FORMAT_VERSION = 1
 _TYPES = {"eagle": (EagleConfig, EagleHead), "eagle3": (Eagle3Config, Eagle3Head), "medusa": (MedusaConfig, MedusaHeads),
-          "dflash": (DflashConfig, DflashHead)}
+          "dflash": (DflashConfig, DflashHead), "peagle": (PeagleConfig, PeagleHead)}
 
 
 class HeadMismatchError(ValueError):
@@ -152,13 +153,13 @@ def _check_recorded_files(directory: Path) -> None:
 
 def head_type(config) -> str:
     for name, (config_class, _) in _TYPES.items():
-        if isinstance(config, config_class):
+        if type(config) is config_class:  # exact: a PeagleConfig is also an Eagle3Config
             return name
     raise TypeError(f"unknown head config {type(config).__name__}")
 
 
 def build_head(config) -> nn.Module:
-    """A freshly initialised head for an EagleConfig, Eagle3Config or MedusaConfig."""
+    """A freshly initialised head for an EagleConfig, Eagle3Config or MedusaConfig (and the other _TYPES)."""
     return _TYPES[head_type(config)][1](config)
 
 
