@@ -60,6 +60,12 @@ class Eagle3Options:
     ttt_steps: int = 3  # training-time test: steps unrolled on the head's own outputs
     loss_decay: float = 0.8  # unrolled step j weighs decay**j
     norm_before_residual: bool = False  # True: the decoder layer's residual is hidden_norm(h)
+    # EAGLE-3.1 (speculators' names): fc reads RMS-normalised aux streams, one norm over all
+    # (norm_before_fc) or one per stream (fc_norm; not both); norm_output: step k > 0 reads the
+    # normed output of step k-1, the state the draft scores, instead of its pre-norm output
+    norm_before_fc: bool = False
+    fc_norm: bool = False
+    norm_output: bool = False
     eval_steps: int = 4  # held-out evaluation drafts this many steps on the head's own outputs
     # random | ridge: fc fitted in closed form so the head starts as the linear map aux_t -> the
     # target's next state (its attention and MLP outputs zeroed), on the first ridge_tokens positions
@@ -76,6 +82,9 @@ class Eagle3Options:
         positive(f"{key}.fc_learning_rate_scale", self.fc_learning_rate_scale, allow_zero=True)
         choice(f"{key}.init_fc", self.init_fc, EAGLE3_INIT_FC)
         fraction(f"{key}.loss_decay", self.loss_decay)
+        if self.norm_before_fc and self.fc_norm:
+            raise ValueError(f"{key}.norm_before_fc and {key}.fc_norm are exclusive: one RMSNorm over all aux "
+                             "streams, or one per stream; set one of them")
         if self.aux_layer_ids is not None and not self.aux_layer_ids:
             raise ValueError(f"{key}.aux_layer_ids is empty: EAGLE-3 reads at least one target layer "
                              "(null: the default [2, L//2, L-3])")

@@ -3,7 +3,10 @@
 
 Step 0 reads h = fc(cat(aux_1..aux_n)) (B, T, n·Ht -> D), the target's residual streams at
 `aux_layer_ids` (transformers' `hidden_states` numbering: id i is the stream *entering* decoder
-layer i, vLLM's convention). Step k > 0 reads the layer's own pre-norm output as h. The draft
+layer i, vLLM's convention). Step k > 0 reads the layer's own pre-norm output as h. The EAGLE-3.1
+options (speculators' names and weights, FORMATS.md): `norm_before_fc` RMS-normalises cat(aux) as
+one vector before fc (`input_norm`), `fc_norm` each aux stream on its own (`fc_norm.{i}`), and
+`norm_output` feeds norm(out) back at step k > 0 instead of out (`feedback`). The draft
 logits cover Vd ids; draft id i is target id `i + d2t[i]`, and `t2d` (V,) marks the target ids in
 the draft vocabulary. The embedding is the target's (frozen) and is passed in, never owned.
 Native state-dict keys follow the SGLang / EAGLE-repo layout (`midlayer.*`, FORMATS.md).
@@ -42,6 +45,9 @@ class Eagle3Config:
     qkv_bias: bool = False
     qk_norm: bool = False
     norm_before_residual: bool = False  # True: the residual is hidden_norm(h) instead of h
+    norm_before_fc: bool = False  # True: fc reads input_norm(cat(aux)), one RMSNorm over n·Ht
+    fc_norm: bool = False  # True: fc reads cat(fc_norm[i](aux_i)), one RMSNorm per stream
+    norm_output: bool = False  # True: step k > 0 reads norm(out) of step k-1 instead of out
     target_name: str = ""
     target_fingerprint: dict = field(default_factory=dict)
 
@@ -51,6 +57,9 @@ class Eagle3Config:
         if self.target_num_layers and any(not 0 <= i < self.target_num_layers for i in self.aux_layer_ids):
             raise ValueError(f"Eagle3Config.aux_layer_ids={self.aux_layer_ids} must lie in "
                              f"[0, {self.target_num_layers}) (hidden_states[i] enters decoder layer i)")
+        if self.norm_before_fc and self.fc_norm:
+            raise ValueError("Eagle3Config.norm_before_fc and fc_norm are exclusive: one RMSNorm over all aux "
+                             "streams, or one per stream; set one of them")
         if not 0 < self.draft_vocab_size <= self.vocab_size:
             raise ValueError(f"Eagle3Config.draft_vocab_size={self.draft_vocab_size} must lie in "
                              f"[1, vocab_size={self.vocab_size}]")
@@ -110,7 +119,12 @@ class Eagle3Head(nn.Module):
         super().__init__()
         self.config = config
         D, Vd, V = config.hidden_size, config.draft_vocab_size, config.vocab_size
-        self.fc = nn.Linear(len(config.aux_layer_ids) * config.target_hidden_size, D, bias=False)
+        n, Ht = len(config.aux_layer_ids), config.target_hidden_size
+        self.fc = nn.Linear(n * Ht, D, bias=False)
+        if config.norm_before_fc:
+            self.input_norm = RMSNorm(n * Ht, config.rms_norm_eps)
+        if config.fc_norm:
+            self.fc_norm = nn.ModuleList(RMSNorm(Ht, config.rms_norm_eps) for _ in range(n))
         self.midlayer = Eagle3DecoderLayer(config)
         self.norm = RMSNorm(D, config.rms_norm_eps)
         self.lm_head = nn.Linear(D, Vd, bias=False)
@@ -126,9 +140,24 @@ class Eagle3Head(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)[:, None]
         return (emb.cos() * self.attention_scaling).to(dtype), (emb.sin() * self.attention_scaling).to(dtype)
 
+    def fc_inputs(self, aux: torch.Tensor) -> torch.Tensor:
+        """aux (B, T, n·Ht) -> what fc reads (B, T, n·Ht): aux itself, or RMS-normalised as one
+        vector (norm_before_fc) or stream by stream (fc_norm)."""
+        if self.config.norm_before_fc:
+            return self.input_norm(aux)
+        if self.config.fc_norm:
+            streams = aux.split(self.config.target_hidden_size, dim=-1)
+            return torch.cat([norm(stream) for norm, stream in zip(self.fc_norm, streams, strict=True)], dim=-1)
+        return aux
+
     def project(self, aux: torch.Tensor) -> torch.Tensor:
         """aux (B, T, n·Ht), the target streams at aux_layer_ids concatenated in that order -> h (B, T, D)."""
-        return self.fc(aux)
+        return self.fc(self.fc_inputs(aux))
+
+    def feedback(self, out: torch.Tensor) -> torch.Tensor:
+        """out (..., D) of step k -> step k+1's hidden input: out, or norm(out) under norm_output
+        (the state `logits` scores, so every depth reads a state of the same scale)."""
+        return self.norm(out) if self.config.norm_output else out
 
     def forward(
         self,
@@ -139,10 +168,11 @@ class Eagle3Head(nn.Module):
         past_key_values: tuple[torch.Tensor, torch.Tensor] | None = None,
         use_cache: bool = False,
     ):
-        """input_embeds (B, T, D) = embed(x_{t+1}); hidden (B, T, D) = project(aux_t) at step 0, the
-        previous step's output after; position_ids (B, T); attention_mask bool (B, 1, T, S) or None
+        """input_embeds (B, T, D) = embed(x_{t+1}); hidden (B, T, D) = project(aux_t) at step 0,
+        feedback(the previous step's out) after; position_ids (B, T); attention_mask bool (B, 1, T, S) or None
         for causal; past_key_values (k, v) each (B, nKV, S - T, hd). Returns (out (B, T, D), (k, v)
-        over S or None); `out` is pre-norm: it is the next step's hidden, and logits(out) scores it."""
+        over S or None); `out` is pre-norm: feedback(out) is the next step's hidden, and logits(out)
+        scores it."""
         cos, sin = self.rope(position_ids, hidden.dtype)
         out, kv = self.midlayer(input_embeds, hidden, cos, sin, attention_mask, past_key_values)
         return out, (kv if use_cache else None)
@@ -199,10 +229,11 @@ def init_from_target(head: Eagle3Head, target, ids: torch.Tensor | None = None) 
 
 @torch.no_grad()
 def set_fc_by_ridge(head: Eagle3Head, gram: torch.Tensor, cross: torch.Tensor, rows: int, penalty: float) -> None:
-    """Start the head as a linear fit: fc = the ridge solution of fc(aux_t) ~ y over `rows` pairs
-    (gram = Σ aux auxᵀ (n·Ht, n·Ht), cross = Σ aux yᵀ (n·Ht, D), y the target's next state with its
+    """Start the head as a linear fit: fc = the ridge solution of fc(x_t) ~ y over `rows` pairs
+    (x = fc_inputs(aux), the normalised streams under norm_before_fc / fc_norm; gram = Σ x xᵀ
+    (n·Ht, n·Ht), cross = Σ x yᵀ (n·Ht, D), y the target's next state with its
     final norm's weight divided out), and the decoder layer's attention and MLP output projections
-    zeroed, so that its output is fc(aux_t) and `logits` scores it as the target scores its next
+    zeroed, so that its output is project(aux_t) and `logits` scores it as the target scores its next
     position (the draft norm and lm_head start as the target's)."""
     from heads.eagle import ridge_solution
 

@@ -3,9 +3,10 @@
 Features: EAGLE-3 reads several target streams, so its FeatureSource returns the layers
 `aux_layer_ids + [-1]` concatenated on the last axis: (B, T, (n+1)·Ht), the n aux streams in
 fc's order, then the final post-norm state the teacher's logits come from (`feature_layers`).
-Position alignment and the loss: train/losses.py (EAGLE-3). Step j feeds the head's own pre-norm
-output of step j-1 back as its hidden input, without detaching it: the gradient of every step
-reaches fc and the earlier steps through the fed-back states, as in the reference trainers.
+Position alignment and the loss: train/losses.py (EAGLE-3). Step j feeds the head's own output of
+step j-1 back as its hidden input (`feedback`: pre-norm, or normed under norm_output), without
+detaching it: the gradient of every step reaches fc and the earlier steps through the fed-back
+states, as in the reference trainers.
 """
 from __future__ import annotations
 
@@ -63,14 +64,15 @@ def ttt_unroll(head: nn.Module, parts: FrozenParts, ids: torch.Tensor, hidden: t
                counted: torch.Tensor):
     """Yield (j, chains (B, A_j) long, out (B, A_j, D), valid (B, A_j) bool) for j < steps.
 
-    Step 0 runs every position t < n = T-1: input x_{t+1}, hidden (B, n, D) = fc(aux_t), causal
+    Step 0 runs every position t < n = T-1: input x_{t+1}, hidden (B, n, D) = project(aux_t), causal
     (chains = 0..n-1). Later steps run only the chains that count at some later step
     (`later_chains`; the others would cost compute and score nothing): chain t at step j reads
-    x_{t+1+j} at position t+j and its own step j-1 output, and attends to the true context
+    x_{t+1+j} at position t+j and feedback(its own step j-1 output), and attends to the true context
     (step-0 entries <= t) and its own entries of steps 1..j. valid: chain t counts at step j
     (counted[t+j], counted (B, n) bool being step 0's counted chains)."""
     B, T = ids.shape
     n = T - 1
+    feedback = getattr(head, "module", head).feedback
     steps = max(1, min(steps, n))
     chains = torch.arange(n, device=ids.device).expand(B, n)
     out, past = head(parts.embed(ids[:, 1:]).to(hidden.dtype), hidden, chains, use_cache=steps > 1)  # (B, n, D)
@@ -79,7 +81,7 @@ def ttt_unroll(head: nn.Module, parts: FrozenParts, ids: torch.Tensor, hidden: t
         return
     chains = later_chains(counted, steps)  # (B, A)
     A, D = chains.shape[1], out.shape[-1]
-    hidden = out.gather(1, chains[..., None].expand(B, A, D))  # (B, A, D), gradient kept
+    hidden = feedback(out.gather(1, chains[..., None].expand(B, A, D)))  # (B, A, D), gradient kept
     context = torch.arange(n, device=ids.device) <= chains[..., None]  # (B, A, n) keys s <= t
     own = torch.eye(A, dtype=torch.bool, device=ids.device).expand(B, A, A)
     for j in range(1, steps):
@@ -88,7 +90,7 @@ def ttt_unroll(head: nn.Module, parts: FrozenParts, ids: torch.Tensor, hidden: t
         out, past = head(parts.embed(tokens).to(hidden.dtype), hidden, chains + j, attention_mask=mask,
                          past_key_values=past, use_cache=True)  # (B, A, D)
         yield j, chains, out, shift_left(counted, j).gather(1, chains)
-        hidden = out
+        hidden = feedback(out)
 
 
 def eagle3_step(head: nn.Module, parts: FrozenParts, batch: dict, features: torch.Tensor, steps: int,
@@ -115,17 +117,21 @@ def eagle3_step(head: nn.Module, parts: FrozenParts, batch: dict, features: torc
 
 
 @torch.no_grad()
-def eagle3_ridge_sums(parts: FrozenParts, batches, source, num_aux: int, norm_weight: torch.Tensor, max_tokens: int):
+def eagle3_ridge_sums(parts: FrozenParts, batches, source, num_aux: int, norm_weight: torch.Tensor, max_tokens: int,
+                      inputs=None):
     """Σ x xᵀ (n·Ht, n·Ht), Σ x yᵀ (n·Ht, Ht) and the row count over step 0's counted chains of
-    `batches` (x = aux_t, y = final_{t+1} / norm_weight: the target's next post-norm state with its
-    norm's weight divided out, which the draft's norm puts back), stopping after ~max_tokens rows.
-    Float64 sums."""
+    `batches` (x = inputs(aux_t), what fc reads: the head's `fc_inputs`, None for aux_t itself;
+    y = final_{t+1} / norm_weight: the target's next post-norm state with its norm's weight divided
+    out, which the draft's norm puts back), stopping after ~max_tokens rows. Float64 sums."""
     scale = norm_weight.double()
 
     def pairs():
         for batch in batches:
-            aux, final = split_features(source(batch).double(), num_aux)  # (B, T, n·Ht), (B, T, Ht)
+            aux, final = split_features(source(batch), num_aux)  # (B, T, n·Ht), (B, T, Ht)
             mask = eagle_position_mask(batch["loss_mask"], batch["attention_mask"])  # (B, T-1)
-            yield aux[:, :-1][mask], final[:, 1:][mask] / scale  # (N, n·Ht), (N, Ht)
+            x = aux[:, :-1][mask]  # (N, n·Ht)
+            # The norms run in the features' dtype, as in training, before the sums go to float64.
+            x = (inputs(x) if inputs is not None else x).double()
+            yield x, final[:, 1:][mask].double() / scale  # (N, n·Ht), (N, Ht)
 
     return normal_equations(pairs(), max_tokens)

@@ -214,7 +214,9 @@ class Eagle3Kind:
         size = vocab.numel() if vocab is not None else target.vocab_size
         config = Eagle3Config.from_target(target, draft_vocab_size=size,
                                           aux_layer_ids=self.aux_layer_ids(target.num_layers),
-                                          norm_before_residual=self.options.norm_before_residual)
+                                          norm_before_residual=self.options.norm_before_residual,
+                                          norm_before_fc=self.options.norm_before_fc, fc_norm=self.options.fc_norm,
+                                          norm_output=self.options.norm_output)
         return init_eagle3(build_head(config), target, vocab), config
 
     def param_groups(self, head, learning_rate):
@@ -227,7 +229,8 @@ class Eagle3Kind:
             return
         module = getattr(head, "module", head)
         gram, cross, count = eagle3_ridge_sums(parts, batches, source, len(module.config.aux_layer_ids),
-                                               module.norm.weight.detach(), o.ridge_tokens // world)
+                                               module.norm.weight.detach(), o.ridge_tokens // world,
+                                               inputs=module.fc_inputs)
         count = int(reduce(torch.tensor(float(count), device=gram.device)).item())
         set_eagle3_fc_by_ridge(module, reduce(gram), reduce(cross), count, o.ridge_penalty)
         log.info("EAGLE-3 fc initialised by ridge regression on %d positions", count)

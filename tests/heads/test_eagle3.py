@@ -160,3 +160,65 @@ def test_native_checkpoint_round_trip(target, tmp_path):
     B, T = 1, 4
     emb, hid, pos = torch.randn(B, T, D), torch.randn(B, T, D), torch.arange(T)[None]
     torch.testing.assert_close(loaded(emb, hid, pos)[0], head(emb, hid, pos)[0])
+
+
+def _rms(x, weight, eps):
+    return weight * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+
+
+@pytest.mark.parametrize("option, keys", [("norm_before_fc", {"input_norm.weight": (3 * D,)}),
+                                          ("fc_norm", {f"fc_norm.{i}.weight": (D,) for i in range(3)})])
+def test_fc_input_norms_keys_and_math(target, option, keys):
+    """speculators' names and shapes; fc reads the normalised streams, written out by hand."""
+    plain = Eagle3Head(Eagle3Config.from_target(target, aux_layer_ids=[1, 2, 4]))
+    head = Eagle3Head(Eagle3Config.from_target(target, aux_layer_ids=[1, 2, 4], **{option: True})).double()
+    extra = {k: tuple(v.shape) for k, v in head.state_dict().items() if k not in plain.state_dict()}
+    assert extra == keys
+    assert sum(p.numel() for p in head.parameters()) - sum(p.numel() for p in plain.parameters()) == 3 * D
+    with torch.no_grad():
+        for key in keys:
+            head.get_parameter(key).normal_(1.0, 0.3)
+    aux = torch.randn(2, 5, 3 * D, dtype=torch.float64) * torch.tensor([0.5, 4.0, 30.0]).double().repeat_interleave(D)
+    eps = head.config.rms_norm_eps
+    if option == "norm_before_fc":
+        expected = _rms(aux, head.input_norm.weight, eps)
+    else:
+        expected = torch.cat([_rms(s, norm.weight, eps) for s, norm in zip(aux.split(D, -1), head.fc_norm)], -1)
+    # rms_norm normalises in float32 whatever the input's dtype, as the target's norms do.
+    torch.testing.assert_close(head.fc_inputs(aux), expected, atol=1e-5, rtol=1e-6)
+    torch.testing.assert_close(head.project(aux), expected @ head.fc.weight.T, atol=1e-5, rtol=1e-6)
+
+
+def test_fc_norm_options_are_exclusive(target):
+    with pytest.raises(ValueError, match="norm_before_fc and fc_norm are exclusive"):
+        Eagle3Config.from_target(target, norm_before_fc=True, fc_norm=True)
+
+
+def test_defaults_keep_the_plain_head(target):
+    """Off by default: same keys, fc reads aux as is, the output goes back pre-norm."""
+    config = Eagle3Config.from_target(target)
+    assert (config.norm_before_fc, config.fc_norm, config.norm_output) == (False, False, False)
+    head = Eagle3Head(config)
+    aux, out = torch.randn(1, 3, 3 * D), torch.randn(1, 3, D)
+    assert head.fc_inputs(aux) is aux and head.feedback(out) is out
+    on = Eagle3Head(Eagle3Config.from_target(target, norm_output=True))
+    torch.testing.assert_close(on.feedback(out), on.norm(out))
+    assert set(on.state_dict()) == set(head.state_dict())
+
+
+@pytest.mark.parametrize("options", [{"norm_before_fc": True, "norm_output": True}, {"fc_norm": True}])
+def test_native_checkpoint_round_trip_with_options(target, tmp_path, options):
+    from heads.io import load_head, save_head
+
+    config = Eagle3Config.from_target(target, draft_vocab_size=40, aux_layer_ids=[1, 2, 4], **options)
+    head = Eagle3Head(config)
+    with torch.no_grad():
+        for name, value in head.named_parameters():
+            if "norm" in name and not name.startswith("midlayer"):
+                value.normal_(1.0, 0.3)
+    save_head(tmp_path / "h", head, config)
+    loaded, loaded_config, _ = load_head(tmp_path / "h", target)
+    assert loaded_config == config
+    assert set(loaded.state_dict()) == set(head.state_dict())
+    for key, value in head.state_dict().items():
+        assert torch.equal(loaded.state_dict()[key], value), key

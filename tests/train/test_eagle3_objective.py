@@ -17,10 +17,15 @@ def target():
     return tiny_target(num_hidden_layers=4)
 
 
-def _head(target, vocab: torch.Tensor, seed: int = 0) -> Eagle3Head:
+def _head(target, vocab: torch.Tensor, seed: int = 0, **options) -> Eagle3Head:
     torch.manual_seed(seed)
-    config = Eagle3Config.from_target(target, draft_vocab_size=vocab.numel(), aux_layer_ids=AUX)
-    return init_from_target(Eagle3Head(config), target, vocab)
+    config = Eagle3Config.from_target(target, draft_vocab_size=vocab.numel(), aux_layer_ids=AUX, **options)
+    head = init_from_target(Eagle3Head(config), target, vocab)
+    with torch.no_grad():  # fc's input norms away from ones, so that a skipped or swapped one shows
+        for name, weight in head.named_parameters():
+            if name.startswith(("input_norm.", "fc_norm.")):
+                weight.normal_(1.0, 0.3)
+    return head
 
 
 def _batch():
@@ -51,8 +56,9 @@ def _reference(head, target, batch, features, steps, decay, evaluation=False):
             for j in range(steps):
                 if t + 2 + j >= T:  # the chain ran off the row's end
                     break
-                if j:
-                    out, kv = head(parts.embed(ids[b:b + 1, t + 1 + j: t + 2 + j]), out, torch.tensor([[t + j]]),
+                if j:  # norm_output: the state the draft scored goes back, not the pre-norm one
+                    hidden = head.norm(out) if head.config.norm_output else out
+                    out, kv = head(parts.embed(ids[b:b + 1, t + 1 + j: t + 2 + j]), hidden, torch.tensor([[t + j]]),
                                    past_key_values=kv, use_cache=True)
                 if not loss_mask[b, t + 2 + j]:
                     continue
@@ -92,11 +98,14 @@ def test_later_steps_run_only_the_chains_they_score():
     assert row_index(counted).tolist() == [[-1, -1, 0, 1, -1, -1, 2, -1], [-1, -1, -1, -1, -1, 3, -1, -1]]
 
 
-def test_step_matches_a_chain_by_chain_draft_loop(target):
+@pytest.mark.parametrize("options", [{}, {"norm_before_fc": True, "norm_output": True},
+                                     {"fc_norm": True, "norm_before_residual": True}, {"norm_output": True}])
+def test_step_matches_a_chain_by_chain_draft_loop(target, options):
     """Ids, positions, targets and the loss mask shift by one per step; out-of-vocab positions are
-    left out of the loss and counted; steps weigh decay**j."""
+    left out of the loss and counted; steps weigh decay**j; the EAGLE-3.1 options as a draft loop
+    runs them."""
     vocab = torch.randperm(128)[:64].sort().values  # about half the target's top-1s fall outside
-    head = _head(target, vocab)
+    head = _head(target, vocab, **options)
     batch = _batch()
     features = OnlineFeatures(target, feature_layers(AUX))(batch)
     assert features.shape == (2, 14, 4 * 64)

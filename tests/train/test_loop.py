@@ -217,7 +217,14 @@ def test_init_fc_ridge_fits_fc_on_the_first_training_batches(tmp_path):
     assert trained.layers[0].mlp.down_proj.weight.abs().max() < 1e-6
 
 
-def test_eagle3_init_fc_ridge_starts_the_head_as_the_linear_fit(tmp_path):
+def _rms_normed(x: torch.Tensor, width: int, eps: float) -> torch.Tensor:
+    """Each `width` columns of x RMS-normalised (unit weight), by hand."""
+    return torch.cat([s * torch.rsqrt(s.pow(2).mean(-1, keepdim=True) + eps) for s in x.split(width, -1)], -1)
+
+
+@pytest.mark.parametrize("options", [{}, {"norm_before_fc": True}, {"fc_norm": True, "norm_output": True}])
+def test_eagle3_init_fc_ridge_starts_the_head_as_the_linear_fit(tmp_path, options):
+    """Under norm_before_fc / fc_norm the fit is on the normalised streams fc reads."""
     from heads.eagle3 import Eagle3Config, Eagle3Head, set_fc_by_ridge
     from train.data_order import BatchStream
     from train.eagle3_objective import eagle3_ridge_sums, feature_layers, split_features
@@ -226,13 +233,23 @@ def test_eagle3_init_fc_ridge_starts_the_head_as_the_linear_fit(tmp_path):
     target, data = tiny_target(), tiny_data()
     job = tiny_job(tmp_path, "eagle3", max_steps=1, learning_rate=1e-9)
     job.heads.eagle3.init_fc, job.heads.eagle3.ridge_tokens = "ridge", 150
+    for name, value in options.items():
+        setattr(job.heads.eagle3, name, value)
     result = train_heads(job, target, data)
     trained, _, _ = load_head(result.last_checkpoint, target)
+    assert all(getattr(trained.config, name) == value for name, value in options.items())
     aux_ids = trained.config.aux_layer_ids
     source = OnlineFeatures(target, layers=feature_layers(aux_ids))
+    H, eps = target.hidden_size, trained.config.rms_norm_eps
+    width = {"norm_before_fc": len(aux_ids) * H, "fc_norm": H}.get(next(iter(options), None))
+
+    def fc_reads(batch):  # the aux streams as fc reads them, the final state as it is
+        aux, final = split_features(source(batch), len(aux_ids))
+        return torch.cat([_rms_normed(aux, width, eps) if width else aux, final], -1)
+
     stream = BatchStream(data.train, 4, 1, 0, job.trainer.seed, 0, "cpu")
     gram, cross, rows = eagle3_ridge_sums(FrozenParts.from_target(target), (stream.next() for _ in range(8)),
-                                          source, len(aux_ids), target.final_norm.weight, 150)
+                                          fc_reads, len(aux_ids), target.final_norm.weight, 150)
     assert 150 <= rows < 250 and gram.shape == (3 * target.hidden_size,) * 2
     expected = Eagle3Head(Eagle3Config.from_target(target, aux_layer_ids=aux_ids))
     set_fc_by_ridge(expected, gram, cross, rows, job.heads.eagle3.ridge_penalty)
