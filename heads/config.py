@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 from heads.checks import choice, fraction, positive
 
-HEAD_TYPES = ("eagle", "eagle3", "medusa", "dflash")  # heads.io maps each to its config and module
+HEAD_TYPES = ("eagle", "eagle3", "medusa", "dflash", "peagle")  # heads.io maps each to its config and module
 INIT_FC = ("feature", "random", "ridge")  # heads.eagle.init_from_target's fc starts
 EAGLE3_INIT_FC = ("random", "ridge")  # heads.eagle3's fc starts
 
@@ -114,6 +114,39 @@ class DflashOptions:
 
 
 @dataclass
+class PeagleOptions:
+    """P-EAGLE (heads/peagle.py): the EAGLE-3 head drafting K tokens in one forward, trained as
+    speculators trains it (train/peagle_objective.py)."""
+    aux_layer_ids: list[int] | None = None  # as heads.eagle3.aux_layer_ids; None: [2, L//2, L-3]
+    speculative_tokens: int = 8  # K: the bonus slot plus K-1 mask slots (the reference's num_depths)
+    mask_token_id: int = 0  # the token of the mask slots (SmolLM2: <|endoftext|>)
+    norm_before_residual: bool = True  # the reference trainer's default for peagle
+    # COD sampling: depth d >= 1 keeps max(ratio**d, ratio_min) x (seeds - d) chains of the
+    # surviving ones; seeds: at most max_anchors loss positions per sequence
+    down_sample_ratio: float = 0.7
+    down_sample_ratio_min: float = 0.2
+    max_anchors: int = 512
+    eval_anchors: int = 64  # held-out chains scored per forward (all chains are scored, this many at a time)
+    init_fc: str = "random"  # random | ridge: as heads.eagle3.init_fc (slot 0 starts as the linear fit)
+    ridge_tokens: int = 20000
+    ridge_penalty: float = 1e-3
+    fc_learning_rate_scale: float = 1.0  # fc trains at this fraction of trainer.learning_rate
+
+    def check(self, key: str = "heads.peagle") -> None:
+        for name in ("speculative_tokens", "max_anchors", "eval_anchors", "ridge_tokens"):
+            positive(f"{key}.{name}", getattr(self, name))
+        positive(f"{key}.mask_token_id", self.mask_token_id, allow_zero=True)
+        positive(f"{key}.ridge_penalty", self.ridge_penalty, allow_zero=True)
+        positive(f"{key}.fc_learning_rate_scale", self.fc_learning_rate_scale, allow_zero=True)
+        fraction(f"{key}.down_sample_ratio", self.down_sample_ratio)
+        fraction(f"{key}.down_sample_ratio_min", self.down_sample_ratio_min)
+        choice(f"{key}.init_fc", self.init_fc, EAGLE3_INIT_FC)
+        if self.aux_layer_ids is not None and not self.aux_layer_ids:
+            raise ValueError(f"{key}.aux_layer_ids is empty: P-EAGLE reads at least one target layer "
+                             "(null: the default [2, L//2, L-3])")
+
+
+@dataclass
 class HeadsConfig:
     type: str = "eagle"  # eagle | eagle3 | medusa
     hidden_size: int | None = None  # None: the target's; set only to check a recipe
@@ -125,6 +158,7 @@ class HeadsConfig:
     eagle: EagleOptions = field(default_factory=EagleOptions)
     eagle3: Eagle3Options = field(default_factory=Eagle3Options)
     dflash: DflashOptions = field(default_factory=DflashOptions)
+    peagle: PeagleOptions = field(default_factory=PeagleOptions)
 
     def check(self) -> None:
         """Each field's own rule; raises ValueError naming the key."""
@@ -134,3 +168,4 @@ class HeadsConfig:
         self.eagle.check()
         self.eagle3.check()
         self.dflash.check()
+        self.peagle.check()

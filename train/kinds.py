@@ -28,11 +28,13 @@ from heads.eagle3 import Eagle3Config, default_aux_layer_ids, init_from_target a
 from heads.eagle3 import set_fc_by_ridge as set_eagle3_fc_by_ridge
 from heads.io import build_head
 from heads.medusa import MedusaConfig, init_from_target as init_medusa
+from heads.peagle import PeagleConfig
 from heads.vocab import set_draft_vocab
 from train.dflash_objective import DflashKind
 from train.eagle3_objective import eagle3_ridge_sums, eagle3_step, feature_layers as eagle3_feature_layers
 from train.heldout import eagle3_eval_counts, eagle_eval_counts, medusa_eval_counts
 from train.objectives import FINAL, FeatureSource, FrozenParts, eagle_step, medusa_step, ridge_sums
+from train.peagle_objective import peagle_eval_counts, peagle_step
 
 log = logging.getLogger(__name__)
 
@@ -254,8 +256,36 @@ class Eagle3Kind:
         return eagle3_eval_counts(head, parts, batch, features, self.options.eval_steps, truths)
 
 
+class PeagleKind(Eagle3Kind):
+    """P-EAGLE: the EAGLE-3 head plus mask_hidden, K tokens from one forward, trained on COD-sampled
+    chains (train/peagle_objective.py). Features, fc groups and the ridge warm start (slot 0 is
+    EAGLE-3's step 0) are EAGLE-3's."""
+
+    name, unit, drafters = "peagle", "step", ("peagle_chain",)
+
+    def build(self, target, vocab):
+        """As EAGLE-3's build, with mask_token_id and K; mask_hidden starts random."""
+        o = self.options
+        size = vocab.numel() if vocab is not None else target.vocab_size
+        config = PeagleConfig.from_target(target, draft_vocab_size=size,
+                                          aux_layer_ids=self.aux_layer_ids(target.num_layers),
+                                          norm_before_residual=o.norm_before_residual,
+                                          mask_token_id=o.mask_token_id, speculative_tokens=o.speculative_tokens)
+        return init_eagle3(build_head(config), target, vocab), config
+
+    def step(self, head, parts, batch, features, chunk_size):
+        return peagle_step(head, parts, batch, features, self.options, chunk_size)
+
+    @property
+    def eval_rows(self) -> int:
+        return self.options.speculative_tokens
+
+    def eval_counts(self, head, parts, batch, features, truths):
+        return peagle_eval_counts(head, parts, batch, features, self.options.eval_anchors, truths)
+
+
 KINDS = {"eagle": lambda heads: EagleKind(heads.eagle), "medusa": lambda heads: MedusaKind(heads.medusa),
-         "eagle3": lambda heads: Eagle3Kind(heads.eagle3)}
+         "eagle3": lambda heads: Eagle3Kind(heads.eagle3), "peagle": lambda heads: PeagleKind(heads.peagle)}
 KINDS["dflash"] = lambda heads: DflashKind(heads.dflash)
 
 
