@@ -14,7 +14,7 @@ settings); a shard whose key does not match the current job (more `max_records` 
 wrote it, other settings, another target), or that has no key, is written again instead of being
 reused.
 
-The generator is a callable so the caller can pass the fast runtime (eval.generate) without data/
+The generator is a callable so the caller can pass the fast runtime (eval.runtime.generate) without data/
 importing eval/; `hf_generate_fn` wraps transformers' `generate`.
 """
 from __future__ import annotations

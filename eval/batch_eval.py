@@ -12,15 +12,17 @@ from typing import Sequence
 
 import torch
 
-from eval.batch_generate import batch_generate
 from eval.config import RuntimeConfig
-from eval.generate import plain_generate
-from eval.model import LeanLlama
-from eval.sampling import SamplingConfig
 from eval.out_folder import claim
+from eval.recommend import head_fields, recommended_runtime
+from eval.runtime.batch_generate import batch_generate
+from eval.runtime.clock import module_device
+from eval.runtime.generate import plain_generate
+from eval.runtime.linear_paths import timer
+from eval.runtime.model import LeanLlama
+from eval.runtime.sampling import SamplingConfig
 from eval.sweep import PLOT_NAMES, batch_sweep, markdown, plot, sweep_method, sweep_policy
-from eval.linear_paths import timer
-from eval.timing import measured_on, module_device
+from eval.timing import measured_on
 
 
 def batch_one_check(lean: LeanLlama, prompts: Sequence[torch.Tensor], max_new_tokens: int, eos=(),
@@ -46,8 +48,6 @@ def evaluate_batches(lean: LeanLlama, methods, prompts: Sequence[torch.Tensor], 
                      sampling: SamplingConfig, eos: Sequence[int], max_length: int, out_dir, target=None,
                      head_config=None, extra: dict | None = None, progress: bool = True) -> dict:
     """Sweep `methods` (`eval.run.Method`, plain first) over runtime.batch_sizes; returns the report."""
-    from eval.run import _plain, _recommended
-
     sweep_methods = [sweep_method(m.name, m.build, m.settings, m.verification) for m in methods]
     where = measured_on(getattr(target, "device", None))
     plain_generate(lean, prompts[0][:8], 4, sampling, eos)  # warm-up: first-call overheads
@@ -57,13 +57,13 @@ def evaluate_batches(lean: LeanLlama, methods, prompts: Sequence[torch.Tensor], 
     first = {name: figures for name, figures in sweep["rows"][0]["methods"].items()}
     rows = [{"name": m.name, "settings": m.settings, "tokens_per_second": first[m.name]["tokens_per_second"]}
             for m in methods[1:]]
-    recommended = _recommended(rows, runtime, extra or {}, where)
+    recommended = recommended_runtime(rows, runtime, extra or {}, where)
     if policy is not None and recommended:
         recommended = dataclasses.replace(recommended, batch_policy=policy.to_dict(),
                                           measured=(*(recommended.measured or ()), "batch_policy"))
     report = {
         "target": getattr(target, "name", "?"),
-        "head": None if head_config is None else {"type": type(head_config).__name__, **_plain(head_config)},
+        "head": None if head_config is None else {"type": type(head_config).__name__, **head_fields(head_config)},
         "num_prompts": len(prompts), "sampling": asdict(sampling), "runtime": asdict(runtime),
         "threads": torch.get_num_threads(), "measured_on": where,
         "notes": [

@@ -9,14 +9,15 @@ from typing import Sequence
 
 import torch
 
+from eval.acceptance import measure_rank_accuracies, measure_tree_acceptance, walk_tree_acceptance
 from eval.config import RuntimeConfig
-from eval.drafters.eagle import EagleDrafter, measure_tree_acceptance
-from eval.drafters.medusa import MedusaDrafter, measure_rank_accuracies, walk_tree_acceptance
-from eval.generate import plain_generate
-from eval.medusa_trees import build_tree_from_accuracies, expected_acceptance, parse_choices
-from eval.model import LeanLlama
-from eval.sampling import SamplingConfig
-from eval.timing import device_clock, module_device
+from eval.runtime.clock import device_clock, module_device
+from eval.runtime.drafters.eagle import EagleDrafter
+from eval.runtime.drafters.medusa import MedusaDrafter
+from eval.runtime.generate import plain_generate
+from eval.runtime.medusa_trees import build_tree_from_accuracies, expected_acceptance, parse_choices
+from eval.runtime.model import LeanLlama
+from eval.runtime.sampling import SamplingConfig
 from heads.medusa import MedusaHeads
 
 log = logging.getLogger(__name__)

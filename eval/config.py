@@ -47,7 +47,7 @@ class RuntimeConfig:
     # loaded) | auto (measured decode + verify step: fp32, or bf16 on CPUs with AVX512-BF16/AMX) | float32 | bfloat16.
     dtype: str = "target"
     # How each linear layer runs each row count: default (one rule for every machine) | auto (the fastest
-    # path measured per layer role and row count at start, eval.linear_paths) | a path name (forced).
+    # path measured per layer role and row count at start, eval.runtime.linear_paths) | a path name (forced).
     linear_paths: str = "default"
     linear_paths_budget: float = 3.0  # weight copies the chosen layouts may hold (memory shared with the model: 0)
     linear_paths_repeats: int = 5  # measurement rounds (minimum taken) for paths and cost curves

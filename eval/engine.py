@@ -166,8 +166,8 @@ def training_estimate(manifest: dict, k: int) -> dict | None:
 def chain_drafter(head, lean, k: int):
     """Our runtime's chain at depth K, drafting as vLLM does (see the module docstring): argmax drafts
     at a temperature too (vLLM's default draft_sample_method), verified losslessly as one-hot drafts."""
-    from eval.drafters.eagle import EagleDrafter
-    from eval.drafters.medusa import MedusaDrafter
+    from eval.runtime.drafters.eagle import EagleDrafter
+    from eval.runtime.drafters.medusa import MedusaDrafter
     from heads.medusa import MedusaHeads
 
     if isinstance(head, MedusaHeads):
@@ -182,10 +182,10 @@ def run_ours(target, heads: Sequence, prompts: Sequence[Sequence[int]], k: int, 
     on `prompts`, in `dtype`, one prompt at a time, methods interleaved per prompt. Returns
     {plain, transformers, chains: [one per head]}, each with tokens and seconds per prompt; a chain
     also with its per-prompt counters (step_counters)."""
-    from eval.generate import plain_generate, speculative_generate
+    from eval.runtime.generate import plain_generate, speculative_generate
     from eval.prepare import prepare_target
     from eval.run import transformers_generate
-    from eval.sampling import SamplingConfig
+    from eval.runtime.sampling import SamplingConfig
 
     tensors = [torch.as_tensor(list(p), dtype=torch.long) for p in prompts]
     settings = replace(runtime, dtype=dtype, linear_paths="default", fallback=False)

@@ -5,7 +5,7 @@ that runs (docs/performance.md).
 dtype "auto" keeps the target's dtype on CUDA, fp32 on a CPU without bf16 instructions (AVX512-BF16
 or AMX in /proc/cpuinfo), and otherwise the dtype whose decode step plus one verification (after
 each has its own paths) measures faster. A target whose weights may not be copied (split across
-devices, not on the CPU, or short of memory: `eval.placement.weight_copies_allowed`) keeps its own
+devices, not on the CPU, or short of memory: `eval.runtime.placement.weight_copies_allowed`) keeps its own
 dtype, and its linear layers choose only among the paths that read its weights in place. Plain decoding, speculative decoding and transformers'
 `generate` then all run in that dtype, so losslessness and the speedups are judged within one dtype.
 """
@@ -21,9 +21,9 @@ from typing import Mapping, Sequence
 import torch
 from torch import nn
 
-from eval import linear_paths, placement
 from eval.config import RuntimeConfig
-from eval.model import LeanLlama
+from eval.runtime import linear_paths, placement
+from eval.runtime.model import LeanLlama
 from eval.timing import cpu_info
 
 log = logging.getLogger(__name__)
@@ -52,7 +52,7 @@ def candidate_dtypes(setting: str, model_dtype: torch.dtype, device: torch.devic
             raise ValueError(f"runtime.dtype must be auto, target, {', '.join(sorted(DTYPES))}; got {setting!r}")
         if not copies and DTYPES[setting] != model_dtype:
             raise ValueError(f"runtime.dtype={setting}: the target ({dtype_name(model_dtype)}) is used in place "
-                             f"(eval.placement.weight_copies_allowed), and another dtype would copy all of it; "
+                             f"(eval.runtime.placement.weight_copies_allowed), and another dtype would copy all of it; "
                              f"use runtime.dtype=target or load the target in {setting} (model.dtype)")
         return [DTYPES[setting]], f"runtime.dtype={setting}"
     if not copies:

@@ -13,25 +13,27 @@ from typing import Callable, Sequence
 
 import torch
 
+from eval.batch_eval import evaluate_batches
 from eval.calibrate import eagle_tree_budget, medusa_choices, verify_costs
 from eval.config import RuntimeConfig
-from eval.drafters import Drafter
-from eval.drafters.adaptive import FallbackDrafter, SpeculationGate
-from eval.drafters.draft_model import DynamicGamma, self_speculation_drafter
-from eval.drafters.eagle import EagleDrafter
-from eval.drafters.medusa import MedusaDrafter
-from eval.drafters.prompt_lookup import PromptLookupDrafter
 from eval.divergence import classify
-from eval.generate import GenerationResult, plain_generate, speculative_generate
-from eval.model import LeanLlama
 from eval.prepare import prepare_target, runtime_sizes
+from eval.recommend import head_fields, recommended_runtime
 from eval.report import write_report
-from eval.sampling import SamplingConfig
-from eval.timing import device_clock, measured_on, module_device
+from eval.runtime.clock import device_clock, module_device
+from eval.runtime.drafters import Drafter
+from eval.runtime.drafters.adaptive import FallbackDrafter, SpeculationGate
+from eval.runtime.drafters.draft_model import DynamicGamma, self_speculation_drafter
+from eval.runtime.drafters.eagle import EagleDrafter
+from eval.runtime.drafters.medusa import MedusaDrafter
+from eval.runtime.drafters.prompt_lookup import PromptLookupDrafter
+from eval.runtime.generate import GenerationResult, plain_generate, speculative_generate
+from eval.runtime.model import LeanLlama
+from eval.runtime.sampling import SamplingConfig
+from eval.timing import measured_on
 from heads.eagle import EagleHead
 from heads.eagle3 import Eagle3Head
 from heads.medusa import MedusaHeads
-from heads.recommended import RecommendedRuntime
 from heads.vocab import draft_ids
 
 log = logging.getLogger(__name__)
@@ -284,8 +286,6 @@ def evaluate(target, prompts: Sequence[Sequence[int]], drafter_specs: Sequence[s
         extra["draft_vocab"] = vocabulary
     extra = {**setup, **extra}
     if sweep:
-        from eval.batch_eval import evaluate_batches
-
         return evaluate_batches(lean, methods, prompts, runtime, sampling, eos_token_ids, max_len, out_dir, target,
                                 head_config, extra, progress)
     compare_hf = runtime.compare_transformers
@@ -359,11 +359,11 @@ def _assemble(methods: list[Method], summaries: dict, runtime: RuntimeConfig, ta
         baselines["plain"]["speedup_vs_transformers"] = plain / hf if hf else None
     fingerprint = target.fingerprint() if hasattr(target, "fingerprint") else {}
     where = measured_on(getattr(target, "device", None))
-    recommended = _recommended(rows, runtime, extra, where)
+    recommended = recommended_runtime(rows, runtime, extra, where)
     report = {
         "target": getattr(target, "name", "?"),
         "target_fingerprint": fingerprint.get("id") if isinstance(fingerprint, dict) else None,
-        "head": None if head_config is None else {"type": type(head_config).__name__, **_plain(head_config)},
+        "head": None if head_config is None else {"type": type(head_config).__name__, **head_fields(head_config)},
         "num_prompts": num_prompts,
         "sampling": asdict(sampling),
         "runtime": asdict(runtime),
@@ -388,26 +388,3 @@ def _assemble(methods: list[Method], summaries: dict, runtime: RuntimeConfig, ta
         **extra,
     }
     return report
-
-
-def _plain(config) -> dict:
-    values = asdict(config)
-    values.pop("target_fingerprint", None)
-    return values
-
-
-def _recommended(rows: list[dict], runtime: RuntimeConfig, extra: dict, where: dict) -> RecommendedRuntime | None:
-    """The settings eval ran with for the head's drafters, naming those chosen from this run's
-    timings (the rest are configured) and the hardware that timed them; None without a head drafter."""
-    trees = [r for r in rows if r["name"].startswith("eagle_tree")]
-    if trees:
-        best = max(trees, key=lambda r: r["tokens_per_second"])
-        chosen = len(trees) > 1 or best["settings"].get("total_tokens_auto", False)
-        return RecommendedRuntime(top_k=runtime.tree_top_k, depth=runtime.tree_depth,
-                                  total_tokens=best["settings"]["total_tokens"], chain_depth=runtime.chain_depth,
-                                  measured=("total_tokens",) if chosen else (), measured_on=where)
-    if "medusa" in extra:
-        return RecommendedRuntime(medusa_choices=extra["medusa"]["choices"],
-                                  measured=("medusa_choices",) if runtime.medusa_choices == "auto" else (),
-                                  measured_on=where)
-    return None

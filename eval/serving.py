@@ -22,13 +22,13 @@ from typing import Callable, Mapping, Sequence
 
 import torch
 
-from eval.batch_generate import BatchDecoder
-from eval.drafters import Drafter
-from eval.model import LeanLlama
-from eval.sampling import SamplingConfig
+from eval.runtime.batch_generate import BatchDecoder
+from eval.runtime.clock import module_device
+from eval.runtime.drafters import Drafter
+from eval.runtime.linear_paths import timer
+from eval.runtime.model import LeanLlama
+from eval.runtime.sampling import SamplingConfig
 from eval.sweep import latency_figures
-from eval.linear_paths import timer
-from eval.timing import module_device
 
 SCHEDULERS = ("static", "continuous")
 

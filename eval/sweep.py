@@ -17,15 +17,16 @@ from typing import Callable, Sequence
 
 import torch
 
-from eval.batch_generate import BatchDecoder, batch_generate, time_per_output_token
 from eval.divergence import classify
-from eval.drafters import Drafter
-from eval.generate import GenerationResult
-from eval.model import LeanLlama
-from eval.policy import PAYS_MARGIN, SIZE_ATTRIBUTES, SpeculationPolicy, choose_policy
-from eval.sampling import SamplingConfig
-from eval.linear_paths import clock_name, timer
-from eval.timing import module_device
+from eval.policy import PAYS_MARGIN, choose_policy
+from eval.runtime.batch_generate import BatchDecoder, batch_generate, time_per_output_token
+from eval.runtime.clock import module_device
+from eval.runtime.drafters import Drafter
+from eval.runtime.drafters.policy import SIZE_ATTRIBUTES, SpeculationPolicy
+from eval.runtime.generate import GenerationResult
+from eval.runtime.linear_paths import clock_name, timer
+from eval.runtime.model import LeanLlama
+from eval.runtime.sampling import SamplingConfig
 
 
 @dataclass
@@ -95,7 +96,7 @@ def batch_sweep(lean: LeanLlama, methods: Sequence[SweepMethod], prompts: Sequen
     order), in batches of B, each batch run by every method in turn. Returns {"batch_sizes": [...],
     "rows": [{"batch_size", "methods": {name: figures}, "best", "best_speedup"}], "crossover",
     "crossover_by_method", "clock"}. Times are wall time, or with one CPU thread the thread's CPU
-    time (`eval.linear_paths.timer`)."""
+    time (`eval.runtime.linear_paths.timer`)."""
     from tqdm import tqdm
 
     if not methods or methods[0].build is not None:

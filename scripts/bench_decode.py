@@ -42,7 +42,7 @@ def bandwidth(megabytes: int = 1024, repeats: int = 5) -> dict:
     """Read bandwidth (sum) and copy bandwidth (read + write) over a tensor of `megabytes`, GB/s."""
     import torch
 
-    from eval.linear_paths import timer
+    from eval.runtime.linear_paths import timer
 
     clock = timer()
     x = torch.ones(megabytes * 2**20 // 4)
@@ -67,7 +67,7 @@ def weight_bytes(lean) -> int:
 
 def measure_matrix(built: dict, paths: list[str], prompt, sizes, repeats: int) -> dict:
     """Forward costs of every dtype x (forced path, default rule, chosen paths), interleaved."""
-    from eval import linear_paths
+    from eval.runtime import linear_paths
     from eval.prepare import curve_variants, forward_costs, install, snapshot
 
     variants = curve_variants(built)
@@ -151,7 +151,7 @@ def main() -> None:
 
     torch.set_num_threads(args.threads)
     if args.tree_attention:
-        from eval.attention.triton_kernel import benchmark
+        from eval.runtime.attention.triton_kernel import benchmark
 
         rows = benchmark()
         if args.json:
@@ -159,7 +159,7 @@ def main() -> None:
         return
 
     from eval.__main__ import compose_eval
-    from eval.linear_paths import clock_name
+    from eval.runtime.linear_paths import clock_name
     from eval.prepare import build_candidates, curve_variants, finish, runtime_sizes
     from heads.target import TargetConfig, load_target
 

@@ -40,9 +40,9 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from eval.__main__ import compose_eval, load_eval_head, resolve_head
-    from eval.drafters.eagle import EagleDrafter
-    from eval.model import LeanLlama
-    from eval.policy import PolicyDrafter, SpeculationPolicy
+    from eval.runtime.drafters.eagle import EagleDrafter
+    from eval.runtime.model import LeanLlama
+    from eval.runtime.drafters.policy import PolicyDrafter, SpeculationPolicy
     from eval.serving import bench_serving, markdown
     from eval.stage import eval_prompt_ids
     from heads.eagle3 import Eagle3Head

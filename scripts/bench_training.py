@@ -18,7 +18,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from eval.timing import device_clock  # noqa: E402
+from eval.runtime.clock import device_clock  # noqa: E402
 from heads.config import EagleOptions, MedusaOptions  # noqa: E402
 from heads.eagle import EagleConfig, init_from_target as init_eagle  # noqa: E402
 from heads.io import build_head  # noqa: E402

@@ -50,7 +50,7 @@ def step_gpu_tests(work: Path) -> dict:
 
 
 def step_tree_attention(work: Path) -> dict:
-    from eval.attention.triton_kernel import benchmark
+    from eval.runtime.attention.triton_kernel import benchmark
 
     rows = benchmark(tree_sizes=(16, 32, 64), contexts=(512, 2048, 8192))
     worst = max(row["max_abs_diff"] for row in rows)
@@ -62,7 +62,7 @@ def step_head_train_8b_shape(work: Path) -> dict:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from data.collate import collate
-    from eval.timing import device_clock
+    from eval.runtime.clock import device_clock
     from heads.config import EagleOptions
     from heads.eagle import EagleConfig, init_from_target
     from heads.io import build_head

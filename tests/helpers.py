@@ -8,7 +8,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from eval.drafters import Candidates
+from eval.runtime.drafters import Candidates
 
 
 def report_row(name, total_tokens=None, tau=2.0, tps=50.0, identical=True, lossy=False, sweep=False):

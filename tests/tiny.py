@@ -41,7 +41,7 @@ def tiny_target(seed: int = 0, **overrides) -> FrozenTarget:
 def tiny_eagle_setup(max_seq_len: int = 256):
     """(target, lean forward, EAGLE head started from the target's last layer with fc passing f_t
     through, in eval mode): drafts that the tiny target accepts now and then."""
-    from eval.model import LeanLlama
+    from eval.runtime.model import LeanLlama
     from heads.eagle import EagleConfig, EagleHead, init_from_target
 
     torch.manual_seed(0)
@@ -60,7 +60,7 @@ def tiny_eagle3_setup(max_seq_len: int = 256, draft_vocab: torch.Tensor | None =
     hidden input and the residual vanish; norm and lm_head are the target's (rows of `draft_vocab`,
     sorted target ids; None = all). Its drafts then differ from the target's only in missing the
     first token of the context. fc stays random: it is computed, and ignored."""
-    from eval.model import LeanLlama
+    from eval.runtime.model import LeanLlama
     from heads.eagle3 import Eagle3Config, Eagle3Head, init_from_target
 
     torch.manual_seed(0)

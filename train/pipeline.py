@@ -253,9 +253,9 @@ def _lean_generate_fn(job: JobConfig, target: FrozenTarget):
     None for other architectures, which fall back to transformers' generate). Used when
     data.regenerate.batch_size is 1: one prompt at a time the lean forward is faster than
     transformers' generate, and batched generate overtakes it from a few prompts per batch on."""
-    from eval.generate import plain_generate
-    from eval.model import LeanLlama
-    from eval.sampling import SamplingConfig
+    from eval.runtime.generate import plain_generate
+    from eval.runtime.model import LeanLlama
+    from eval.runtime.sampling import SamplingConfig
 
     try:
         lean = LeanLlama.from_hf(target.model, max_seq_len=job.data.max_length + job.data.regenerate.max_new_tokens)

@@ -266,7 +266,7 @@ def whole_target_resident(job: JobConfig) -> bool:
 def _eval_items(job: JobConfig, span: int, target_gb: float, dtype_bytes: int) -> list[Item]:
     """Memory of the eval stage on the busiest GPU of rank 0's target group (the last: it holds the
     lm_head, the head and the drafters' state). The lean runtime computes each layer where it lies
-    on the target's own weights (eval.placement), so the stage holds the target, one KV cache and
+    on the target's own weights (eval.runtime.placement), so the stage holds the target, one KV cache and
     the head; transformers' generate builds a cache of its own size only after the lean one is freed."""
     arch, runtime = job.model.arch, job.runtime
     head_dim = arch.hidden_size // arch.num_attention_heads

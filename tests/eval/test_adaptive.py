@@ -4,12 +4,12 @@ catching up on the features of plain steps in one batch)."""
 import pytest
 import torch
 
-from eval.drafters import Candidates, DraftState
-from eval.drafters.adaptive import DecayedRatio, FallbackDrafter, ProbeSchedule, SpeculationGate
-from eval.drafters.eagle import EagleDrafter
-from eval.generate import plain_generate, speculative_generate
-from eval.model import LeanLlama
-from eval.sampling import SamplingConfig
+from eval.runtime.drafters import Candidates, DraftState
+from eval.runtime.drafters.adaptive import DecayedRatio, FallbackDrafter, ProbeSchedule, SpeculationGate
+from eval.runtime.drafters.eagle import EagleDrafter
+from eval.runtime.generate import plain_generate, speculative_generate
+from eval.runtime.model import LeanLlama
+from eval.runtime.sampling import SamplingConfig
 from heads.eagle3 import Eagle3Config, Eagle3Head
 from tests.helpers import OracleDrafter
 from tests.tiny import tiny_eagle_setup, tiny_target

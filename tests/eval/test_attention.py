@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from eval.attention import mask_to_bits, resolve_backend, tree_attention
-from eval.attention.reference import additive_mask, reference_tree_attention
-from eval.tree import build_tree
+from eval.runtime.attention import mask_to_bits, resolve_backend, tree_attention
+from eval.runtime.attention.reference import additive_mask, reference_tree_attention
+from eval.runtime.tree import build_tree
 from tests.helpers import random_parents
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -61,7 +61,7 @@ def test_triton_kernel_matches_reference_under_interpreter():
 @pytest.mark.parametrize("dtype,tolerance", [(torch.float16, 2e-3), (torch.bfloat16, 2e-2), (torch.float32, 1e-4)])
 @pytest.mark.parametrize("n,context", [(16, 512), (64, 4096), (37, 1000)])
 def test_triton_kernel_on_gpu(dtype, tolerance, n, context):
-    from eval.attention.triton_kernel import triton_tree_attention
+    from eval.runtime.attention.triton_kernel import triton_tree_attention
 
     tree = build_tree(random_parents(n, random.Random(n)))
     q = torch.randn(32, n, 128, device="cuda", dtype=dtype)

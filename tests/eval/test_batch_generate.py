@@ -8,14 +8,14 @@ broken sampler fails the same test."""
 import pytest
 import torch
 
-from eval.batch_generate import BatchDecoder, batch_generate, time_per_output_token
-from eval.batch_model import BatchKVCache, batch_forward
-from eval.drafters.eagle import EagleDrafter
-from eval.drafters.medusa import MedusaDrafter
-from eval.drafters.prompt_lookup import PromptLookupDrafter
-from eval.generate import plain_generate, speculative_generate
-from eval.model import LeanLlama
-from eval.sampling import SamplingConfig
+from eval.runtime.batch_generate import BatchDecoder, batch_generate, time_per_output_token
+from eval.runtime.batch_model import BatchKVCache, batch_forward
+from eval.runtime.drafters.eagle import EagleDrafter
+from eval.runtime.drafters.medusa import MedusaDrafter
+from eval.runtime.drafters.prompt_lookup import PromptLookupDrafter
+from eval.runtime.generate import plain_generate, speculative_generate
+from eval.runtime.model import LeanLlama
+from eval.runtime.sampling import SamplingConfig
 from tests.eval.test_lossless_generate import LENGTH, SAMPLES, SAMPLING, TreeStub, _peaked_lean, exact
 from tests.helpers import OracleDrafter, chi_square_p_value
 from tests.tiny import tiny_eagle3_setup, tiny_eagle_setup, tiny_model

@@ -7,12 +7,13 @@ import json
 import pytest
 import torch
 
-from eval.batch_generate import BatchDecoder
 from eval.config import RuntimeConfig, check_runtime
-from eval.drafters.eagle import EagleDrafter
-from eval.generate import plain_generate
-from eval.policy import PolicyDrafter, SpeculationPolicy, choose_policy
+from eval.policy import choose_policy
 from eval.run import evaluate
+from eval.runtime.batch_generate import BatchDecoder
+from eval.runtime.drafters.eagle import EagleDrafter
+from eval.runtime.drafters.policy import PolicyDrafter, SpeculationPolicy
+from eval.runtime.generate import plain_generate
 from eval.sweep import crossover, percentile
 from heads.eagle import EagleConfig, EagleHead, init_from_target
 from tests.tiny import tiny_eagle_setup, tiny_target

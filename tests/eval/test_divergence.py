@@ -9,10 +9,10 @@ import torch
 import eval.run
 from eval.config import RuntimeConfig
 from eval.divergence import classify, divergence, tie_tolerance, ulp
-from eval.generate import plain_generate
-from eval.model import LeanLlama
 from eval.report import markdown_table
 from eval.run import evaluate
+from eval.runtime.generate import plain_generate
+from eval.runtime.model import LeanLlama
 from tests.helpers import report, report_row
 from tests.tiny import tiny_model, tiny_target
 

@@ -11,11 +11,12 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from eval.drafters import DraftState
-from eval.drafters.eagle import EagleDrafter, select_tree
-from eval.generate import plain_generate, speculative_generate
-from eval.model import LeanLlama
-from eval.sampling import SamplingConfig
+from eval.runtime.drafters import DraftState
+from eval.runtime.drafters.eagle import EagleDrafter
+from eval.runtime.drafters.eagle_tree import select_tree
+from eval.runtime.generate import plain_generate, speculative_generate
+from eval.runtime.model import LeanLlama
+from eval.runtime.sampling import SamplingConfig
 from heads.eagle import EagleConfig, EagleHead, init_from_target
 from heads.eagle3 import Eagle3Config, Eagle3Head
 from tests.tiny import tiny_eagle3_setup, tiny_target

@@ -4,13 +4,13 @@ fp32 and in bf16, with the default linear paths and with one path forced for eve
 import pytest
 import torch
 
-from eval import linear_paths
-from eval.drafters import Drafter
-from eval.drafters.draft_model import DynamicGamma, self_speculation_drafter
-from eval.drafters.prompt_lookup import PromptLookupDrafter, lookup
-from eval.generate import plain_generate, speculative_generate
-from eval.model import LeanLlama
-from eval.sampling import SamplingConfig
+from eval.runtime import linear_paths
+from eval.runtime.drafters import Drafter
+from eval.runtime.drafters.draft_model import DynamicGamma, self_speculation_drafter
+from eval.runtime.drafters.prompt_lookup import PromptLookupDrafter, lookup
+from eval.runtime.generate import plain_generate, speculative_generate
+from eval.runtime.model import LeanLlama
+from eval.runtime.sampling import SamplingConfig
 from tests.helpers import OracleDrafter
 from tests.tiny import tiny_model
 

@@ -2,9 +2,9 @@
 import pytest
 import torch
 
-from eval.kv_cache import KVCache
-from eval.model import LeanLlama
-from eval.tree import build_tree
+from eval.runtime.kv_cache import KVCache
+from eval.runtime.model import LeanLlama
+from eval.runtime.tree import build_tree
 from tests.tiny import tiny_model
 
 

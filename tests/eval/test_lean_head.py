@@ -5,8 +5,8 @@ that any difference beyond rounding is a bug, plus fp32 (the packed weights)."""
 import pytest
 import torch
 
-from eval.drafters.lean_head import LeanEagleHead
-from eval.model import Linear
+from eval.runtime.drafters.lean_head import LeanEagleHead
+from eval.runtime.model import Linear
 from heads.eagle import EagleConfig, EagleHead
 from heads.eagle3 import Eagle3Config, Eagle3Head, set_draft_vocab
 

@@ -6,10 +6,10 @@ import copy
 import pytest
 import torch
 
-from eval import linear_paths
-from eval.linear_paths import PATHS, Path, choose_plan, parity_error, select_paths, table
-from eval.model import LeanLlama, Linear
-from eval.tree import build_tree
+from eval.runtime import linear_paths
+from eval.runtime.linear_paths import PATHS, Path, choose_plan, parity_error, select_paths, table
+from eval.runtime.model import LeanLlama, Linear
+from eval.runtime.tree import build_tree
 from tests.eval.test_model import _family_model
 from tests.helpers import tree_paths
 from tests.tiny import tiny_model

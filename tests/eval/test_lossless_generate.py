@@ -13,13 +13,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from eval.drafters import Candidates
-from eval.drafters.adaptive import FallbackDrafter, SpeculationGate
-from eval.drafters.draft_model import DynamicGamma, self_speculation_drafter
-from eval.drafters.eagle import EagleDrafter
-from eval.generate import speculative_generate
-from eval.model import LeanLlama
-from eval.sampling import SamplingConfig
+from eval.runtime.drafters import Candidates
+from eval.runtime.drafters.adaptive import FallbackDrafter, SpeculationGate
+from eval.runtime.drafters.draft_model import DynamicGamma, self_speculation_drafter
+from eval.runtime.drafters.eagle import EagleDrafter
+from eval.runtime.generate import speculative_generate
+from eval.runtime.model import LeanLlama
+from eval.runtime.sampling import SamplingConfig
 from heads.eagle3 import Eagle3Config, Eagle3Head, set_draft_vocab
 from tests.helpers import chi_square_p_value
 from tests.tiny import tiny_model

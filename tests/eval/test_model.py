@@ -2,8 +2,8 @@
 import pytest
 import torch
 
-from eval.model import LeanLlama
-from eval.tree import build_tree
+from eval.runtime.model import LeanLlama
+from eval.runtime.tree import build_tree
 from tests.helpers import tree_paths
 from tests.tiny import tiny_model
 

@@ -5,9 +5,9 @@ import pytest
 import torch
 
 import eval.__main__ as entry
-from eval.drafters.eagle import EagleDrafter
-from eval.generate import plain_generate, speculative_generate
-from eval.model import LeanLlama
+from eval.runtime.drafters.eagle import EagleDrafter
+from eval.runtime.generate import plain_generate, speculative_generate
+from eval.runtime.model import LeanLlama
 from export import export_head
 from heads.eagle import EagleConfig, EagleHead, init_from_target
 from tests.tiny import tiny_target

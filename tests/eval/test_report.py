@@ -35,7 +35,7 @@ def test_write_report_files(tmp_path):
 
 
 def test_acceptance_per_depth_counts_speculative_steps_only():
-    from eval.generate import GenerationResult
+    from eval.runtime.generate import GenerationResult
     from eval.run import summarize
 
     # Four steps: two speculative (3 then 1 accepted of 4 drafted), two plain steps of the gate.

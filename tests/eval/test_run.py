@@ -8,7 +8,7 @@ import torch
 import eval.__main__ as entry
 from eval.config import RuntimeConfig
 from eval.run import build_methods, evaluate
-from eval.model import LeanLlama
+from eval.runtime.model import LeanLlama
 from heads.eagle import EagleConfig, EagleHead, init_from_target
 from heads.io import save_head
 from heads.medusa import MedusaConfig, MedusaHeads

@@ -6,9 +6,9 @@ import time
 import pytest
 import torch
 
-from eval.drafters.prompt_lookup import PromptLookupDrafter
-from eval.generate import plain_generate
-from eval.model import LeanLlama
+from eval.runtime.drafters.prompt_lookup import PromptLookupDrafter
+from eval.runtime.generate import plain_generate
+from eval.runtime.model import LeanLlama
 from eval.serving import SkipClock, bench_serving, markdown, poisson_arrivals, serve
 from tests.tiny import tiny_model
 

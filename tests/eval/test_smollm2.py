@@ -3,11 +3,11 @@ speculative decoding (prompt lookup, self-speculation) equal to plain greedy dec
 import pytest
 import torch
 
-from eval.drafters.draft_model import DynamicGamma, self_speculation_drafter
-from eval.drafters.prompt_lookup import PromptLookupDrafter
-from eval.generate import plain_generate, speculative_generate
-from eval.model import LeanLlama
-from eval.tree import build_tree
+from eval.runtime.drafters.draft_model import DynamicGamma, self_speculation_drafter
+from eval.runtime.drafters.prompt_lookup import PromptLookupDrafter
+from eval.runtime.generate import plain_generate, speculative_generate
+from eval.runtime.model import LeanLlama
+from eval.runtime.tree import build_tree
 
 PROMPTS = [
     "The capital of France is Paris. The capital of Germany is",

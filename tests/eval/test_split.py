@@ -6,14 +6,14 @@ import copy
 import pytest
 import torch
 
-import eval.placement as placement
-from eval import linear_paths
+import eval.runtime.placement as placement
 from eval.config import RuntimeConfig
-from eval.generate import plain_generate
-from eval.kv_cache import KVCache
-from eval.model import LeanLlama
 from eval.prepare import prepare_target
 from eval.run import evaluate
+from eval.runtime import linear_paths
+from eval.runtime.generate import plain_generate
+from eval.runtime.kv_cache import KVCache
+from eval.runtime.model import LeanLlama
 from heads.eagle import EagleConfig, EagleHead, init_from_target
 from tests.tiny import tiny_model, tiny_target
 

@@ -5,16 +5,17 @@ import time
 import pytest
 import torch
 
+import eval.acceptance
 import eval.calibrate
-import eval.drafters.eagle
-import eval.generate
 import eval.run
-import eval.timing
+import eval.runtime.clock
+import eval.runtime.drafters.eagle
+import eval.runtime.generate
 from eval.config import RuntimeConfig
-from eval.drafters.prompt_lookup import PromptLookupDrafter
-from eval.generate import plain_generate, speculative_generate
-from eval.model import LeanLlama
-from eval.timing import device_clock, timed
+from eval.runtime.clock import device_clock, timed
+from eval.runtime.drafters.prompt_lookup import PromptLookupDrafter
+from eval.runtime.generate import plain_generate, speculative_generate
+from eval.runtime.model import LeanLlama
 from tests.tiny import tiny_model
 
 CUDA = torch.device("cuda:0")
@@ -23,7 +24,7 @@ CUDA = torch.device("cuda:0")
 @pytest.fixture
 def syncs(monkeypatch):
     calls = []
-    monkeypatch.setattr(eval.timing, "_cuda_synchronize", lambda device: calls.append(("sync", str(device))))
+    monkeypatch.setattr(eval.runtime.clock, "_cuda_synchronize", lambda device: calls.append(("sync", str(device))))
     return calls
 
 
@@ -48,7 +49,7 @@ def test_generation_and_calibration_read_a_synchronised_clock_on_cuda(syncs, lea
     prompt = torch.arange(3, 9)
     plain = plain_generate(lean, prompt, 5).tokens
     assert syncs == []  # CPU work: no synchronisation
-    for module in (eval.generate, eval.calibrate, eval.run):  # the lean model's work "runs on CUDA"
+    for module in (eval.runtime.generate, eval.calibrate, eval.run):  # the lean model's work "runs on CUDA"
         monkeypatch.setattr(module, "module_device", lambda model: CUDA)
     plain_generate(lean, prompt, 5)
     assert len(syncs) == 3  # start, end of prefill, end
@@ -68,12 +69,12 @@ def test_tree_calibration_times_drafting_on_a_synchronised_clock(syncs, monkeypa
     from tests.tiny import tiny_eagle_setup
 
     _, lean, head = tiny_eagle_setup(max_seq_len=32)
-    drafter = eval.drafters.eagle.EagleDrafter(head, lean, mode="tree", depth=2, top_k=2, total_tokens=4)
+    drafter = eval.runtime.drafters.eagle.EagleDrafter(head, lean, mode="tree", depth=2, top_k=2, total_tokens=4)
     sequence = torch.arange(3, 15)
-    eval.drafters.eagle.measure_tree_acceptance(drafter, [sequence], [6], [2, 4])
+    eval.acceptance.measure_tree_acceptance(drafter, [sequence], [6], [2, 4])
     assert syncs == []
-    monkeypatch.setattr(eval.drafters.eagle, "module_device", lambda model: CUDA)
-    measured = eval.drafters.eagle.measure_tree_acceptance(drafter, [sequence], [6], [2, 4])
+    monkeypatch.setattr(eval.acceptance, "module_device", lambda model: CUDA)
+    measured = eval.acceptance.measure_tree_acceptance(drafter, [sequence], [6], [2, 4])
     assert measured["positions"] == 4 and syncs == [("sync", "cuda:0")] * 3 * 4  # catch-up, expand, end
 
 

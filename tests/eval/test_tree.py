@@ -6,9 +6,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from eval.attention import mask_to_bits
-from eval.attention.reference import reference_tree_attention
-from eval.tree import build_tree, candidate_parents_to_tree, chain_parents
+from eval.runtime.attention import mask_to_bits
+from eval.runtime.attention.reference import reference_tree_attention
+from eval.runtime.tree import build_tree, candidate_parents_to_tree, chain_parents
 from tests.helpers import random_parents, tree_paths
 
 

@@ -5,12 +5,13 @@ vocabulary of 96 of the 128 ids)."""
 import pytest
 import torch
 
-from eval.config import RuntimeConfig
-from eval.drafters import Candidates
-from eval.drafters.eagle import EagleDrafter, greedy_accepted, measure_tree_acceptance, walk_acceptance
-from eval.generate import plain_generate, speculative_generate
+from eval.acceptance import greedy_accepted, measure_tree_acceptance, walk_acceptance
 from eval.calibrate import choose_tree_budget, monotone_costs, verify_costs
+from eval.config import RuntimeConfig
 from eval.run import evaluate
+from eval.runtime.drafters import Candidates
+from eval.runtime.drafters.eagle import EagleDrafter
+from eval.runtime.generate import plain_generate, speculative_generate
 from heads.eagle3 import Eagle3Head
 from tests.tiny import tiny_eagle3_setup, tiny_eagle_setup
 

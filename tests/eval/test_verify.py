@@ -14,9 +14,9 @@ import itertools
 import pytest
 import torch
 
-from eval.sampling import SamplingConfig, probabilities, sample
-from eval.tree import build_tree
-from eval.verify import children_lists, verify_greedy, verify_sampled, verify_typical, Verdict
+from eval.runtime.sampling import SamplingConfig, probabilities, sample
+from eval.runtime.tree import build_tree
+from eval.runtime.verify import children_lists, verify_greedy, verify_sampled, verify_typical, Verdict
 from tests.helpers import chi_square_p_value
 
 VOCAB, LENGTH, SAMPLES, SIGNIFICANCE = 3, 3, 3000, 1e-3

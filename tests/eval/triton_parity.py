@@ -9,10 +9,10 @@ os.environ["TRITON_INTERPRET"] = "1"
 
 import torch  # noqa: E402
 
-from eval.attention.reference import reference_tree_attention  # noqa: E402
-from eval.attention.triton_kernel import triton_tree_attention  # noqa: E402
-from eval.model import LeanLlama  # noqa: E402
-from eval.tree import build_tree  # noqa: E402
+from eval.runtime.attention.reference import reference_tree_attention  # noqa: E402
+from eval.runtime.attention.triton_kernel import triton_tree_attention  # noqa: E402
+from eval.runtime.model import LeanLlama  # noqa: E402
+from eval.runtime.tree import build_tree  # noqa: E402
 from tests.helpers import random_parents  # noqa: E402
 from tests.tiny import tiny_model  # noqa: E402
 

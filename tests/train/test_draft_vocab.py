@@ -8,8 +8,8 @@ import torch
 import torch.nn.functional as F
 
 from eval.config import RuntimeConfig
-from eval.model import LeanLlama
 from eval.run import build_methods, evaluate
+from eval.runtime.model import LeanLlama
 from heads.config import MedusaOptions
 from heads.eagle import EagleConfig, EagleHead, init_from_target
 from heads.io import load_head

@@ -104,10 +104,10 @@ def test_held_out_chains_draft_what_the_runtime_chain_drafts():
     """The training-time evaluation (eagle_unroll) and the runtime's EAGLE chain drafter compute the
     same chain: fed the drafter's own chain tokens as data tokens, every unrolled step's argmax is
     the drafter's next token (so the held-out figures measure the drafter that will run)."""
-    from eval.drafters import DraftState
-    from eval.drafters.eagle import EagleDrafter
-    from eval.model import LeanLlama
-    from eval.sampling import SamplingConfig
+    from eval.runtime.drafters import DraftState
+    from eval.runtime.drafters.eagle import EagleDrafter
+    from eval.runtime.model import LeanLlama
+    from eval.runtime.sampling import SamplingConfig
     from heads.eagle import EagleConfig, EagleHead, init_from_target
     from train.heldout import eagle_unroll
     from train.objectives import FrozenParts

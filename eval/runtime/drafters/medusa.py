@@ -11,9 +11,9 @@ from typing import Sequence
 
 import torch
 
-from eval.drafters import Candidates, DraftState
-from eval.medusa_trees import Choices, choices_to_parents, normalize_choices
-from eval.model import LeanLlama
+from eval.runtime.drafters import Candidates, DraftState
+from eval.runtime.medusa_trees import Choices, choices_to_parents, normalize_choices
+from eval.runtime.model import LeanLlama
 from heads.medusa import MedusaHeads
 
 
@@ -77,64 +77,3 @@ class MedusaDrafter:
         if first.vocab is not None:
             tokens = first.vocab[tokens]
         return [Candidates(row.clone(), first.parents.clone()) for row in tokens]
-
-
-@torch.no_grad()
-def measure_rank_accuracies(drafter: MedusaDrafter, sequences: Sequence[torch.Tensor], prompt_lengths: Sequence[int],
-                            top: int = 10) -> list[list[float]]:
-    """Per head k, the fraction of positions where the true next-(k+2) token is the head's i-th
-    ranked token (i < top), over the generated part of each (T,) sequence (prompt + greedy
-    continuation). Feeds `build_tree_from_accuracies`."""
-    heads = drafter.num_used
-    hits = torch.zeros(heads, top)
-    counts = torch.zeros(heads)
-    for sequence, prompt_length in zip(sequences, prompt_lengths):
-        cache = drafter.lean.new_cache(sequence.shape[0])
-        features = drafter.lean(sequence, cache, hidden_layers=(-1,), logits="none").hidden[
-            drafter.lean.config.num_layers]  # (T, D)
-        logits = drafter.head_logits(features)  # (K, T, V)
-        for k in range(heads):
-            rows = torch.arange(max(prompt_length - 1, 0), sequence.shape[0] - k - 2)
-            if rows.numel() == 0:
-                continue
-            labels = sequence[rows + k + 2]
-            chosen = logits[k, rows]  # (R, Vd)
-            if drafter.vocab is not None:  # labels outside the subset can never be drafted
-                position = torch.full((drafter.lean.config.vocab_size,), -1, dtype=torch.long)
-                position[drafter.vocab] = torch.arange(drafter.vocab.shape[0])
-                labels = position[labels]
-                keep = labels >= 0
-                chosen, labels = chosen[keep], labels[keep]
-            ranks = (chosen > chosen.gather(1, labels[:, None])).sum(-1)  # (R',)
-            hits[k] += torch.bincount(ranks[ranks < top], minlength=top)[:top].float()
-            counts[k] += rows.numel()
-    return (hits / counts.clamp_min(1)[:, None]).tolist()
-
-
-@torch.no_grad()
-def walk_tree_acceptance(drafters: Sequence[MedusaDrafter], sequences: Sequence[torch.Tensor],
-                         prompt_lengths: Sequence[int]) -> list[list[int]]:
-    """Per drafter (one heads, any trees), the drafts accepted at each step of a greedy run with its
-    tree over each (T,) sequence (prompt + the target's greedy continuation): the tree proposed at
-    every root (teacher-forced, one batched projection per head) walked as the runtime steps
-    (`eval.drafters.eagle.walk_acceptance`), so the steps a run takes, not every position. One
-    target forward per sequence serves every drafter."""
-    from eval.drafters.eagle import greedy_accepted, walk_acceptance
-
-    steps = [[] for _ in drafters]
-    lean = drafters[0].lean
-    for sequence, prompt_length in zip(sequences, prompt_lengths):
-        cache = lean.new_cache(sequence.shape[0])
-        features = lean(sequence, cache, hidden_layers=(-1,), logits="none").hidden[lean.config.num_layers]  # (T, D)
-        for drafter, walked in zip(drafters, steps):
-            roots = torch.arange(prompt_length, sequence.shape[0] - drafter.num_used)  # truth covers the deepest draft
-            if roots.numel() == 0:
-                continue
-            ranked = drafter.head_logits(features[roots - 1]).topk(drafter.top, dim=-1).indices  # (K, R, top)
-            tokens = ranked[drafter.head_index, :, drafter.rank_index].t()  # (R, N)
-            if drafter.vocab is not None:
-                tokens = drafter.vocab[tokens]
-            accepted = [greedy_accepted(Candidates(row, drafter.parents), sequence[root + 1:].tolist())
-                        for row, root in zip(tokens, roots.tolist())]
-            walked += walk_acceptance(accepted)
-    return steps

@@ -12,8 +12,8 @@ runs where it lies: each decoder layer computes on the device holding its weight
 lives there, and the activations (with the rotary tables and the tree mask) move at each boundary;
 logits and hidden states come back on the lm_head's device (`output_device`).
 
-Weights (`eval.placement.weight_copies_allowed`): the lean forward keeps weight copies in other
-layouts (the transposed and oneDNN-packed layouts of `eval.linear_paths`, fused q|k|v and gate|up)
+Weights (`eval.runtime.placement.weight_copies_allowed`): the lean forward keeps weight copies in other
+layouts (the transposed and oneDNN-packed layouts of `eval.runtime.linear_paths`, fused q|k|v and gate|up)
 only for a target on the CPU, in one piece, with memory for two more copies. Otherwise it runs on
 the target's own tensors: every linear layer reads the (out, in) weight in place (GPU matmuls read
 that layout at full speed), and fusing concatenates q|k|v (gate|up) once and makes the transformers
@@ -28,10 +28,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from eval import linear_paths, placement
-from eval.attention import resolve_backend, tree_attention
-from eval.attention.reference import additive_mask
-from eval.kv_cache import KVCache
+from eval.runtime import linear_paths, placement
+from eval.runtime.attention import resolve_backend, tree_attention
+from eval.runtime.attention.reference import additive_mask
+from eval.runtime.kv_cache import KVCache
 
 
 @dataclass
@@ -62,7 +62,7 @@ class ForwardOutput:
 
 
 class Linear(nn.Module):
-    """A frozen linear layer that runs each row count through its own path (eval.linear_paths).
+    """A frozen linear layer that runs each row count through its own path (eval.runtime.linear_paths).
 
     Default rule (before any measurement, `linear_paths.default_plan`): one row through `x @ W_t`
     with W_t (in, out) contiguous when in <= out (q|k|v, o, gate|up, lm_head: ~2x faster than
@@ -110,7 +110,7 @@ class Linear(nn.Module):
             if not self.copies:
                 raise ValueError(f"linear layout {name!r} would copy the weights of a target whose weights are "
                                  f"used as they are (split, not on the CPU, or short of memory: "
-                                 f"eval.placement.weight_copies_allowed); only paths on the (out, in) layout run")
+                                 f"eval.runtime.placement.weight_copies_allowed); only paths on the (out, in) layout run")
             source = self._source if self._source is not None else self.weight_t.t()
             self.layouts[name] = linear_paths.build_layout(name, source)
         return self.layouts[name]
@@ -286,7 +286,7 @@ class LeanLlama(nn.Module):
                  lm_head: Linear, inv_freq: torch.Tensor, attention_scaling: float = 1.0,
                  keys: Sequence | None = None, devices: Sequence[torch.device] | None = None,
                  weights_note: str = ""):
-        """keys, devices: the placement (`eval.placement.locate`) of the embedding, each block and
+        """keys, devices: the placement (`eval.runtime.placement.locate`) of the embedding, each block and
         the head; default: all on the embedding's device."""
         super().__init__()
         self.config = config
@@ -330,8 +330,8 @@ class LeanLlama(nn.Module):
                 fuse_projections: bool = True, pack_multi_row: bool = True, weight_copies: bool | None = None,
                 device_map: Mapping[str, Any] | None = None, devices: Mapping[Any, Any] | None = None) -> "LeanLlama":
         """Build from a transformers *ForCausalLM of the Llama family by parameter name, computing
-        each part where its weights lie (`eval.placement.locate`: device_map, devices).
-        weight_copies: None applies `eval.placement.weight_copies_allowed`; False runs on the
+        each part where its weights lie (`eval.runtime.placement.locate`: device_map, devices).
+        weight_copies: None applies `eval.runtime.placement.weight_copies_allowed`; False runs on the
         target's own weights, fusing q|k|v and gate|up in place."""
         hf_config = hf_model.config
         keys, where = placement.locate(hf_model, device_map, devices)

@@ -17,10 +17,10 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 
-from eval.drafters import Candidates, DraftState
-from eval.drafters.eagle import select_tree
-from eval.drafters.lean_head import LeanEagleHead
-from eval.sampling import probabilities, sample
+from eval.runtime.drafters import Candidates, DraftState
+from eval.runtime.drafters.eagle_tree import select_tree
+from eval.runtime.drafters.lean_head import LeanEagleHead
+from eval.runtime.sampling import probabilities, sample
 
 
 def draft_many(runtimes: Sequence[LeanEagleHead], embeds: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,

@@ -1,5 +1,5 @@
 """The drafter protocol: what every draft source (EAGLE, Medusa, prompt lookup, a draft model)
-implements. The runtime (`eval.generate.speculative_generate`) never knows which one made a tree.
+implements. The runtime (`eval.runtime.generate.speculative_generate`) never knows which one made a tree.
 
 One generation, as the runtime drives it:
 
@@ -14,7 +14,7 @@ One generation, as the runtime drives it:
 Invariant: the target's KV cache holds every committed token except the last one (the root,
 `state.tokens[-1]`), whose K/V is computed by the next verification forward.
 
-In a batch (`eval.batch_generate`) every sequence has its own drafter instance. A drafter class
+In a batch (`eval.runtime.batch_generate`) every sequence has its own drafter instance. A drafter class
 may also define `propose_many(drafters, states) -> list[Candidates]` (a staticmethod): the
 proposals of several of its instances at once, each what `drafter.propose(state)` gives (up to
 floating-point near-ties), so the batch drafts in batched forwards (EAGLE).
@@ -26,7 +26,7 @@ from typing import Protocol, Sequence, runtime_checkable
 
 import torch
 
-from eval.sampling import SamplingConfig
+from eval.runtime.sampling import SamplingConfig
 
 
 @dataclass
@@ -44,7 +44,7 @@ class DraftState:
         the token before the root.
     num_layers: the target's layer count (to resolve feature layer indices).
     sampling: the sampling transform the target uses; sampled drafts must draw from
-        `eval.sampling.probabilities(draft_logits, sampling)` and report those distributions.
+        `eval.runtime.sampling.probabilities(draft_logits, sampling)` and report those distributions.
     generator: the random generator the runtime uses (None = global RNG).
     step: verification steps done so far (0 right after the prefill).
     batch_size: sequences verified together in the coming step (1 at batch 1).

@@ -1,10 +1,10 @@
 """The EAGLE heads' decoder layer as a lean forward for drafting (the runtime twin of
-`heads.eagle.EagleHead` and `heads.eagle3.Eagle3Head`, as `eval.model.LeanLlama` is the target's).
+`heads.eagle.EagleHead` and `heads.eagle3.Eagle3Head`, as `eval.runtime.model.LeanLlama` is the target's).
 
 Drafting runs the head once per tree level on every speculative step, so its fixed costs count:
 the module path (`nn.Linear`, K/V concatenated onto the past each call, RoPE recomputed per call)
 cost ~3 ms per head forward on the 2-core CPU, a sizeable share of a ~45 ms target step. Here the
-weights are laid out like the target's (`eval.model.Linear`: transposed for one-row GEMVs, oneDNN
+weights are laid out like the target's (`eval.runtime.model.Linear`: transposed for one-row GEMVs, oneDNN
 packed for several rows, q|k|v and gate|up fused), RoPE comes from a precomputed table and the
 K/V live in a preallocated buffer:
 
@@ -28,7 +28,7 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
-from eval.model import Linear, RMSNorm, _fused, _rotate
+from eval.runtime.model import Linear, RMSNorm, _fused, _rotate
 from heads.eagle import EagleHead
 from heads.eagle3 import Eagle3Head
 

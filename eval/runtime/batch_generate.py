@@ -8,7 +8,7 @@ positions; each sequence then accepts its own path (acceptance is ragged), compa
 and commits accepted + 1 tokens. A sequence that reaches EOS or its token budget leaves the batch
 at once (its slot is refilled by the last active one), and a new one may join between steps
 (`BatchDecoder.join`: continuous batching). Per sequence the arithmetic and the random draws are
-those of `eval.generate` at batch 1 (same verification functions, one generator per sequence), so
+those of `eval.runtime.generate` at batch 1 (same verification functions, one generator per sequence), so
 greedy output is token-identical to batch-1 decoding and sampling stays exactly lossless.
 
 Times per request: `GenerationResult.prefill_time` is the time to first token (from the request's
@@ -22,12 +22,12 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from eval.batch_model import BatchKVCache, batch_forward
-from eval.drafters import Candidates, Drafter, DraftState
-from eval.generate import VERIFICATIONS, GenerationResult, _finish, _tree, _verify
-from eval.model import LeanLlama
-from eval.sampling import SamplingConfig, pick
-from eval.timing import device_clock, module_device
+from eval.runtime.batch_model import BatchKVCache, batch_forward
+from eval.runtime.clock import device_clock, module_device
+from eval.runtime.drafters import Candidates, Drafter, DraftState
+from eval.runtime.generate import VERIFICATIONS, GenerationResult, _finish, _tree, _verify
+from eval.runtime.model import LeanLlama
+from eval.runtime.sampling import SamplingConfig, pick
 
 
 @dataclass

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from eval.drafters import Candidates, DraftState
+from eval.runtime.drafters import Candidates, DraftState
 
 
 class PromptLookupDrafter:

@@ -16,7 +16,7 @@ from typing import Callable
 
 import torch
 
-from eval.drafters import Candidates, Drafter, DraftState
+from eval.runtime.drafters import Candidates, Drafter, DraftState
 
 
 @dataclass

@@ -31,11 +31,11 @@ from typing import Sequence
 
 import torch
 
-from eval.drafters import Candidates, DraftState
-from eval.drafters.lean_head import LeanEagleHead
-from eval.model import LeanLlama
-from eval.sampling import SamplingConfig, probabilities, sample
-from eval.timing import device_clock, module_device
+from eval.runtime.drafters import Candidates, DraftState, eagle_batch
+from eval.runtime.drafters.eagle_tree import select_tree
+from eval.runtime.drafters.lean_head import LeanEagleHead
+from eval.runtime.model import LeanLlama
+from eval.runtime.sampling import probabilities, sample
 from heads.eagle import EagleHead
 from heads.eagle3 import Eagle3Head
 
@@ -124,10 +124,8 @@ class EagleDrafter:
     @torch.no_grad()
     def propose_many(drafters: Sequence["EagleDrafter"], states: Sequence[DraftState]) -> list[Candidates]:
         """The proposals of several sequences' drafters (one configuration), drafted in batched head
-        forwards (`eval.drafters.eagle_batch`)."""
-        from eval.drafters.eagle_batch import propose_many
-
-        return propose_many(drafters, states)
+        forwards (`eval.runtime.drafters.eagle_batch`)."""
+        return eagle_batch.propose_many(drafters, states)
 
     def _chain(self, state: DraftState, feature: torch.Tensor) -> Candidates:
         length = state.tokens.shape[0]
@@ -207,102 +205,3 @@ def _check_head(head: EagleHead | Eagle3Head, lean: LeanLlama) -> None:
         problems.append("an lm_head with bias is not supported")
     if problems:
         raise ValueError("eagle drafter: head and target disagree: " + "; ".join(problems))
-
-
-def select_tree(tokens: list[int], parents: list[int], scores: list[float], depths: list[int],
-                count: int) -> Candidates:
-    """The `count` best nodes by score (ties: shallower, earlier first; a child never outscores
-    its parent, so the selection is ancestor-closed), in topological order, as Candidates."""
-    order = sorted(range(len(tokens)), key=lambda i: (-scores[i], depths[i], i))[:count]
-    chosen = sorted(order, key=lambda i: (depths[i], i))
-    index = {node: i for i, node in enumerate(chosen)}
-    new_parents = []
-    for node in chosen:
-        parent = parents[node]
-        if parent >= 0 and parent not in index:
-            raise AssertionError(f"eagle tree: node {node} selected without its parent {parent}")
-        new_parents.append(-1 if parent < 0 else index[parent])
-    candidates = Candidates(torch.tensor([tokens[i] for i in chosen], dtype=torch.long),
-                            torch.tensor(new_parents, dtype=torch.long))
-    candidates.info["scores"] = [scores[i] for i in chosen]
-    return candidates
-
-
-def greedy_accepted(candidates: Candidates, truth: list[int]) -> int:
-    """Drafts greedy verification accepts when the target's greedy continuation after the root is
-    `truth`: the longest root path whose tokens equal truth[0], truth[1], ..."""
-    children: dict[int, dict[int, int]] = {}
-    for node, (token, parent) in enumerate(zip(candidates.tokens.tolist(), candidates.parents.tolist())):
-        children.setdefault(parent, {}).setdefault(token, node)
-    node, accepted = -1, 0
-    while accepted < len(truth) and truth[accepted] in children.get(node, {}):
-        node = children[node][truth[accepted]]
-        accepted += 1
-    return accepted
-
-
-def walk_acceptance(accepted: Sequence[int]) -> list[int]:
-    """The steps a greedy speculative run takes over positions whose teacher-forced acceptance is
-    `accepted` (accepted[i]: drafts accepted with the root at the i-th generated position): each
-    step starts where the previous one's accepted drafts and bonus token end. Returns the
-    accepted count of each step taken."""
-    steps, position = [], 0
-    while position < len(accepted):
-        steps.append(accepted[position])
-        position += accepted[position] + 1
-    return steps
-
-
-@torch.no_grad()
-def measure_tree_acceptance(drafter: EagleDrafter, sequences: Sequence[torch.Tensor], prompt_lengths: Sequence[int],
-                            budgets: Sequence[int]) -> dict:
-    """Teacher-forced EAGLE-2 trees along greedy continuations (each (T,) sequence = prompt + the
-    target's greedy output): at every generated position, one expansion with the drafter's
-    settings (its total_tokens should be max(budgets)), the tree each total_tokens budget keeps
-    (`select_tree`: a smaller tree is the score-order prefix of a larger one) and how many of its
-    drafts greedy verification would accept.
-
-    The mean over every position overstates what a run commits per step: a run spends one step on
-    each hard position but skips over easy ones in a few long steps. So "accepted" is the mean over
-    the steps a greedy run with each budget takes (`walk_acceptance`), which are exactly the
-    runtime's steps; "accepted_per_position" keeps the plain mean.
-    Returns {"accepted": {budget: mean accepted drafts per step}, "accepted_per_position",
-    "steps" ({budget: steps walked}), "catch_up_seconds", "expand_seconds" (means per position,
-    timed on the target's device clock), "levels" (expansion depth), "positions"}."""
-    num_layers = drafter.lean.config.num_layers
-    layers = sorted({layer % (num_layers + 1) for layer in drafter.feature_layers})
-    levels = min(drafter.depth, drafter.total_tokens - 1)
-    per_position = {budget: [] for budget in budgets}
-    walked = {budget: [] for budget in budgets}
-    catch_up_seconds = expand_seconds = 0.0
-    clock = device_clock(module_device(drafter.lean))
-    for sequence, prompt_length in zip(sequences, prompt_lengths):
-        cache = drafter.lean.new_cache(sequence.shape[0])
-        features = drafter.lean(sequence, cache, hidden_layers=layers, logits="none").hidden  # {layer: (T, D)}
-        drafter.reset(sequence)
-        accepted = {budget: [] for budget in budgets}
-        for root in range(prompt_length, sequence.shape[0] - levels):  # committed tokens: sequence[: root + 1]
-            new = {layer: features[layer][drafter.cache_length: root] for layer in layers}
-            state = DraftState(sequence[: root + 1], root, new, num_layers, SamplingConfig())
-            start = clock()
-            feature = drafter.catch_up(state)
-            middle = clock()
-            nodes = drafter.expand(state, feature)
-            catch_up_seconds += middle - start
-            expand_seconds += clock() - middle
-            truth = sequence[root + 1:].tolist()
-            for budget in budgets:
-                accepted[budget].append(greedy_accepted(select_tree(*nodes, budget - 1), truth))
-        for budget in budgets:
-            per_position[budget] += accepted[budget]
-            walked[budget] += walk_acceptance(accepted[budget])
-    positions = len(per_position[budgets[0]]) if budgets else 0
-
-    def mean(values: list[int]) -> float:
-        return sum(values) / max(len(values), 1)
-
-    return {"accepted": {b: mean(walked[b]) for b in budgets},
-            "accepted_per_position": {b: mean(per_position[b]) for b in budgets},
-            "steps": {b: len(walked[b]) for b in budgets},
-            "catch_up_seconds": catch_up_seconds / max(positions, 1),
-            "expand_seconds": expand_seconds / max(positions, 1), "levels": levels, "positions": positions}

@@ -8,12 +8,12 @@ from typing import Sequence
 
 import torch
 
-from eval.drafters import Candidates, Drafter, DraftState
-from eval.model import LeanLlama
-from eval.sampling import SamplingConfig, pick, probabilities
-from eval.timing import device_clock, module_device
-from eval.tree import TreeLayout, build_tree, candidate_parents_to_tree
-from eval.verify import Verdict, verify_greedy, verify_sampled, verify_typical
+from eval.runtime.clock import device_clock, module_device
+from eval.runtime.drafters import Candidates, Drafter, DraftState
+from eval.runtime.model import LeanLlama
+from eval.runtime.sampling import SamplingConfig, pick, probabilities
+from eval.runtime.tree import TreeLayout, build_tree, candidate_parents_to_tree
+from eval.runtime.verify import Verdict, verify_greedy, verify_sampled, verify_typical
 
 VERIFICATIONS = ("lossless", "typical")
 

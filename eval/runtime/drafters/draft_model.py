@@ -8,10 +8,10 @@ from typing import Sequence
 
 import torch
 
-from eval.drafters import Candidates, DraftState
-from eval.drafters.adaptive import DecayedRatio, ProbeSchedule
-from eval.model import LeanLlama
-from eval.sampling import probabilities, sample
+from eval.runtime.drafters import Candidates, DraftState
+from eval.runtime.drafters.adaptive import DecayedRatio, ProbeSchedule
+from eval.runtime.model import LeanLlama
+from eval.runtime.sampling import probabilities, sample
 
 # Relative cost of a target forward over n tokens vs one decode step (n = 1, 2, ...): SmolLM2 fp32,
 # lean forward (fused, packed), 1 thread, loaded shared machine (scripts/bench_decode.py: N=2 1.3,
@@ -28,7 +28,7 @@ class DynamicGamma:
     (no speculation, one plain decode step) commits 1 token for cost 1. The controller picks the
     gamma with the best tokens per cost, so speculation switches off when it stops paying; while
     off it probes with gamma=1 every `probe_every` steps to notice when drafts improve again
-    (the same rolling estimate and probe schedule as `eval.drafters.adaptive.SpeculationGate`).
+    (the same rolling estimate and probe schedule as `eval.runtime.drafters.adaptive.SpeculationGate`).
     """
 
     max_gamma: int = 8

@@ -31,7 +31,7 @@ from typing import Callable, Iterable, Mapping, Sequence
 import torch
 import torch.nn.functional as F
 
-from eval.timing import device_clock, on_cuda
+from eval.runtime.clock import device_clock, on_cuda
 
 MAX_ROWS = 64  # row counts above this (prefill) use the path chosen for the largest measured size
 ROWS_MAX = 4  # the `rows` path is a candidate up to this many rows
@@ -181,7 +181,7 @@ def check_parity(linear, paths: Iterable[str], sizes: Sequence[int]) -> dict[str
 
 
 def timer(device=None) -> Callable[[], float]:
-    """The clock for comparing paths: on CUDA, `eval.timing.device_clock` (synchronised); on the CPU
+    """The clock for comparing paths: on CUDA, `eval.runtime.clock.device_clock` (synchronised); on the CPU
     with one torch thread, the thread's CPU time (time other jobs take on a shared machine does not
     count); with several threads, wall time."""
     if on_cuda(device):

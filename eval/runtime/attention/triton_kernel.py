@@ -92,8 +92,8 @@ def benchmark(tree_sizes=(16, 32, 64), contexts=(512, 2048, 8192), heads: int = 
     returns and prints one row per (tree size, context)."""
     from triton.testing import do_bench
 
-    from eval.attention.reference import reference_tree_attention
-    from eval.tree import build_tree
+    from eval.runtime.attention.reference import reference_tree_attention
+    from eval.runtime.tree import build_tree
 
     generator = torch.Generator().manual_seed(0)
     rows = []

@@ -4,7 +4,7 @@ A target split across devices (transformers' `hf_device_map`: a 70B target over 
 computed where it lies: `locate` reads the device of the embedding, each decoder layer and the head
 (final norm + lm_head), `stages` groups the layers into runs between boundaries, and `move` carries
 the activations across each boundary. `weight_copies_allowed` is the rule for layout copies (the
-module docstring of eval.model); `fuse_in_place` fuses q|k|v and gate|up inside the transformers
+module docstring of eval.runtime.model); `fuse_in_place` fuses q|k|v and gate|up inside the transformers
 model, so the fused tensor replaces the parts instead of doubling them.
 """
 from __future__ import annotations

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
-from eval.sampling import sample
-from eval.tree import TreeLayout
+from eval.runtime.sampling import sample
+from eval.runtime.tree import TreeLayout
 
 
 @dataclass

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from eval.attention.reference import reference_tree_attention
+from eval.runtime.attention.reference import reference_tree_attention
 
 BACKENDS = ("auto", "reference", "triton")
 
@@ -37,7 +37,7 @@ def tree_attention(
     (`reference.additive_mask`), precomputed once per forward (optional). Returns (H, N, hd)."""
     if resolve_backend(backend, q.device) == "reference" or q.shape[1] > 64:
         return reference_tree_attention(q, k, v, prefix_length, tree_mask, bias)
-    from eval.attention.triton_kernel import triton_tree_attention
+    from eval.runtime.attention.triton_kernel import triton_tree_attention
 
     if tree_bits is None:
         tree_bits = mask_to_bits(tree_mask, q.shape[1], q.device)

@@ -18,8 +18,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from eval.kv_cache import KVCache
-from eval.model import ForwardOutput, LeanLlama, _attention_dtype
+from eval.runtime.kv_cache import KVCache
+from eval.runtime.model import ForwardOutput, LeanLlama, _attention_dtype
 
 
 class BatchKVCache:
