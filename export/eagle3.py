@@ -10,7 +10,10 @@ Two variants of one weights file, because the engines read the config differentl
 - `eagle3_vllm` (vLLM): architecture `Eagle3LlamaForCausalLM`, top-level
   `eagle_aux_hidden_state_layer_ids` in vLLM's *entering-layer* convention (= transformers'
   `hidden_states` index, our `aux_layer_ids`), and `norm_before_residual` always written: vLLM
-  reads a missing one as true, the speculators library as false.
+  reads a missing one as true, the speculators library as false. The EAGLE-3.1 flags
+  (`norm_before_fc`, `fc_norm`, `norm_output`) are written too: vLLM's drafter reads them from the
+  top level, with the weights `input_norm.weight` / `fc_norm.{i}.weight` under the names the
+  head has. SGLang's layout has no place for them, so `eagle3` refuses a head that sets one.
 
 The draft vocabulary maps (`d2t` int64 [Vd], `t2d` bool [V]) are written when Vd < V and left out
 when Vd = V (the loaders then use the identity). `embed_tokens.weight` is a copy of the target's
@@ -22,7 +25,7 @@ from __future__ import annotations
 
 import torch
 
-from export.layout import BaseModel, ExportError, Tensors
+from export.layout import BaseModel, ExportError, LayoutCannotHold, Tensors
 from heads.eagle3 import Eagle3Config
 
 ENTERING = "entering"  # id i = residual stream entering decoder layer i = transformers hidden_states[i]
@@ -35,6 +38,7 @@ CONVENTIONS = {
 }
 _LAYER = "midlayer"
 _SGLANG_AUX_LAYERS = 3  # vLLM and SGLang build fc for exactly three target layers
+EAGLE31_FLAGS = ("norm_before_fc", "fc_norm", "norm_output")  # config.json keys = Eagle3Config fields
 
 
 def to_output_ids(entering_ids: list[int]) -> list[int]:
@@ -113,6 +117,11 @@ def eagle3_shapes(config: Eagle3Config, layer: str) -> dict[str, tuple[int, ...]
         "norm.weight": (H,),
         "lm_head.weight": (config.draft_vocab_size, H),
     }
+    n, Ht = len(config.aux_layer_ids), config.target_hidden_size
+    if config.norm_before_fc:
+        shapes["input_norm.weight"] = (n * Ht,)
+    if config.fc_norm:
+        shapes.update({f"fc_norm.{i}.weight": (Ht,) for i in range(n)})
     if has_vocab_maps(config):
         shapes.update({"d2t": (config.draft_vocab_size,), "t2d": (config.vocab_size,)})
     return shapes
@@ -145,19 +154,26 @@ def from_layer(tensors: Tensors, config: Eagle3Config, layer: str) -> Tensors:
     return state
 
 
-def refuse_unloadable(config: Eagle3Config, fmt: str, *, three_layers: bool, residual_norm: bool) -> None:
-    """Heads the engines behind `fmt` would load silently wrong."""
+def refuse_unloadable(config: Eagle3Config, fmt: str, *, three_layers: bool, residual_norm: bool,
+                      eagle31: bool) -> None:
+    """Heads the engines behind `fmt` would load silently wrong (`eagle31`: whether its config
+    carries the EAGLE-3.1 flags)."""
     for field, on in (("qkv_bias", config.qkv_bias), ("qk_norm", config.qk_norm)):
         if on:
-            raise ExportError(f"format={fmt}: the engines' EAGLE-3 Llama draft has no {field}; this head has "
+            raise LayoutCannotHold(f"format={fmt}: the engines' EAGLE-3 Llama draft has no {field}; this head has "
                               f"{field}=true (train the draft with {field}=false to serve it)")
     if three_layers and len(config.aux_layer_ids) != _SGLANG_AUX_LAYERS:
-        raise ExportError(f"format={fmt}: vLLM and SGLang build fc for exactly {_SGLANG_AUX_LAYERS} target "
+        raise LayoutCannotHold(f"format={fmt}: vLLM and SGLang build fc for exactly {_SGLANG_AUX_LAYERS} target "
                           f"layers; this head reads {len(config.aux_layer_ids)} ({config.aux_layer_ids}); "
                           "export format=speculators instead")
     if not residual_norm and config.norm_before_residual:
-        raise ExportError(f"format={fmt}: SGLang's EAGLE-3 layer keeps the un-normed residual; this head has "
+        raise LayoutCannotHold(f"format={fmt}: SGLang's EAGLE-3 layer keeps the un-normed residual; this head has "
                           "norm_before_residual=true (export eagle3_vllm or speculators instead)")
+    on = [flag for flag in EAGLE31_FLAGS if getattr(config, flag)]
+    if not eagle31 and on:
+        # SGLang skips weight keys it does not know: input_norm / fc_norm would be dropped silently.
+        raise LayoutCannotHold(f"format={fmt}: this layout has no EAGLE-3.1 options; this head has "
+                          f"{', '.join(f'{flag}=true' for flag in on)} (export eagle3_vllm or speculators instead)")
 
 
 class Eagle3Format:
@@ -180,7 +196,8 @@ class Eagle3Format:
         return "eagle_aux_hidden_state_layer_ids", list(config.aux_layer_ids), ENTERING
 
     def to_files(self, state: Tensors, config: Eagle3Config, base: BaseModel, dtype: str) -> tuple[Tensors, dict]:
-        refuse_unloadable(config, self.name, three_layers=True, residual_norm=self.engine == "vllm")
+        refuse_unloadable(config, self.name, three_layers=True, residual_norm=self.engine == "vllm",
+                          eagle31=self.engine == "vllm")
         return to_layer(state, config, base, _LAYER), self.config_json(config, base, dtype)
 
     def config_json(self, config: Eagle3Config, base: BaseModel, dtype: str) -> dict:
@@ -216,6 +233,7 @@ class Eagle3Format:
         else:
             values[field] = ids
             values["norm_before_residual"] = config.norm_before_residual
+            values.update({flag: getattr(config, flag) for flag in EAGLE31_FLAGS})
         return values
 
     def expected_shapes(self, config: Eagle3Config) -> dict[str, tuple[int, ...]]:
@@ -235,6 +253,9 @@ class Eagle3Format:
         expected[field] = ids
         if self.engine == "vllm":
             expected["norm_before_residual"] = config.norm_before_residual
+            # Folders written before the EAGLE-3.1 flags lack them; vLLM reads a missing one as false.
+            expected.update({flag: getattr(config, flag) for flag in EAGLE31_FLAGS
+                             if getattr(config, flag) or flag in config_json})
         problems = field_problems(config_json, expected, self.config_file)
         if config_json.get("rope_scaling") != config.rope_scaling:
             problems.append(f"{self.config_file}.rope_scaling: {config_json.get('rope_scaling')!r}, "

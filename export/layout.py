@@ -20,6 +20,10 @@ class ExportError(ValueError):
     """A head cannot be exported in the asked format, or an export cannot be read back."""
 
 
+class LayoutCannotHold(ExportError):
+    """The layout has no place for one of the head's options (its engines would load it wrong)."""
+
+
 def torch_dtype(name: str) -> torch.dtype:
     if name not in DTYPES:
         raise ExportError(f"dtype={name!r} is not one of {sorted(DTYPES)}")

@@ -12,9 +12,9 @@ verifier's into a NaN-initialised one, and loading replaces the NaNs).
 """
 from __future__ import annotations
 
-from export.eagle3 import (CONVENTIONS, ENTERING, eagle3_shapes, field_problems, from_layer, has_vocab_maps,
-                           refuse_unloadable, rope_parameters, to_layer)
-from export.layout import BaseModel, ExportError, Tensors
+from export.eagle3 import (CONVENTIONS, EAGLE31_FLAGS, ENTERING, eagle3_shapes, field_problems, from_layer,
+                           has_vocab_maps, refuse_unloadable, rope_parameters, to_layer)
+from export.layout import BaseModel, LayoutCannotHold, Tensors
 from heads.eagle3 import Eagle3Config
 
 SPECULATORS_VERSION = "0.9.0"  # the schema written here
@@ -30,9 +30,9 @@ class SpeculatorsFormat:
     engines = ("vllm", "speculators")
 
     def to_files(self, state: Tensors, config: Eagle3Config, base: BaseModel, dtype: str) -> tuple[Tensors, dict]:
-        refuse_unloadable(config, self.name, three_layers=False, residual_norm=True)
+        refuse_unloadable(config, self.name, three_layers=False, residual_norm=True, eagle31=True)
         if config.target_hidden_size != config.hidden_size:
-            raise ExportError(f"format=speculators: its fc reads n x hidden_size={config.hidden_size} columns, but "
+            raise LayoutCannotHold(f"format=speculators: its fc reads n x hidden_size={config.hidden_size} columns, but "
                               f"this head's target_hidden_size is {config.target_hidden_size}")
         return to_layer(state, config, base, _LAYER), self.config_json(config, base, dtype)
 
@@ -71,9 +71,7 @@ class SpeculatorsFormat:
             "target_hidden_size": config.target_hidden_size,
             "eagle_aux_hidden_state_layer_ids": list(config.aux_layer_ids),
             "norm_before_residual": config.norm_before_residual,
-            "norm_before_fc": False,
-            "fc_norm": False,
-            "norm_output": False,
+            **{flag: getattr(config, flag) for flag in EAGLE31_FLAGS},  # input_norm / fc_norm.{i} as named here
             "embed_requires_grad": False,
             "tie_word_embeddings": False,
             "dtype": dtype,  # transformers 5 spelling, as speculators writes it
@@ -104,8 +102,8 @@ class SpeculatorsFormat:
             "architectures": ["Eagle3DraftModel"], "speculators_model_type": "eagle3",
             "draft_vocab_size": config.draft_vocab_size, "target_hidden_size": config.target_hidden_size,
             "eagle_aux_hidden_state_layer_ids": list(config.aux_layer_ids),
-            "norm_before_residual": config.norm_before_residual, "norm_before_fc": False, "fc_norm": False,
-            "norm_output": False, "tie_word_embeddings": False, "dtype": dtype, f"{layer}.dtype": dtype,
+            "norm_before_residual": config.norm_before_residual,
+            **{flag: getattr(config, flag) for flag in EAGLE31_FLAGS}, "tie_word_embeddings": False, "dtype": dtype, f"{layer}.dtype": dtype,
             f"{layer}.model_type": "llama", f"{layer}.hidden_size": config.hidden_size,
             f"{layer}.intermediate_size": config.intermediate_size,
             f"{layer}.num_attention_heads": config.num_attention_heads,

@@ -17,6 +17,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from export.formats import ExportError, get_format, resolve_formats, torch_dtype
+from export.layout import LayoutCannotHold
 from export.manifest import (MANIFEST_NAME, README_NAME, base_model_from_target, build_manifest, model_card,
                              recommended_runtime)
 from export.vocab_file import VOCAB_FILE, manifest_entry, split_state, write_sidecar
@@ -256,13 +257,21 @@ def export_all(head: nn.Module, config, formats: list[str], out_root: str | os.P
                dtype: str = "bfloat16", native_dtype: str | None = "float32",
                manifest_extra: dict | None = None, strict_fingerprint: bool = True,
                overwrite: bool = False) -> dict[str, Path]:
-    """Export every format in `formats` (`engine` = every engine layout of the head type) to
-    `out_root/<format>`; native uses `native_dtype` (None: `dtype`) so training can resume from it."""
+    """Export every format in `formats` (`engine` = every engine layout of the head type that can
+    hold this head) to `out_root/<format>`; native uses `native_dtype` (None: `dtype`) so training
+    can resume from it. A format named on its own that cannot hold the head is an error."""
     paths = {}
     for fmt in resolve_formats(formats, head_type(config)):
         fmt_dtype = (native_dtype or dtype) if fmt == "native" else dtype
-        paths[fmt] = export_head(head, config, fmt, Path(out_root) / fmt, target, fmt_dtype, manifest_extra,
-                                 strict_fingerprint, overwrite)
+        try:
+            paths[fmt] = export_head(head, config, fmt, Path(out_root) / fmt, target, fmt_dtype, manifest_extra,
+                                     strict_fingerprint, overwrite)
+        except LayoutCannotHold as error:
+            # `engine` asks for what the engines can load: a head option one layout lacks (SGLang's
+            # EAGLE-3 and norm_before_fc, say) leaves that layout out, not the job's other exports.
+            if fmt in formats:
+                raise
+            log.warning("export: %s left out of `engine`: %s", fmt, error)
     return paths
 
 

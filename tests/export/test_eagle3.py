@@ -64,7 +64,8 @@ def _aux(target, ids, layers):
 
 @torch.no_grad()
 def _eagle3_logits(head, target, steps: int = 2):
-    """Logits of `steps` draft steps (step k > 0 reads the previous step's output), causal."""
+    """Logits of `steps` draft steps (step k > 0 reads the previous step's output, normed under
+    norm_output), causal."""
     torch.manual_seed(3)
     ids = torch.randint(0, target.vocab_size, (2, 6))
     hidden = head.project(_aux(target, ids, head.config.aux_layer_ids))
@@ -72,8 +73,9 @@ def _eagle3_logits(head, target, steps: int = 2):
     positions = torch.arange(6)[None].expand(2, 6)
     logits = []
     for k in range(steps):
-        hidden = head(embeds, hidden, positions + k)[0]
-        logits.append(head.logits(hidden))
+        out = head(embeds, hidden, positions + k)[0]
+        logits.append(head.logits(out))
+        hidden = head.feedback(out)
     return torch.stack(logits)
 
 
@@ -267,3 +269,58 @@ def test_speculators_refuses_a_wider_target(tmp_path):
     with pytest.raises(ExportError, match="target_hidden_size"):
         export_head(head, config, "speculators", tmp_path / "s", target)
     export_head(head, config, "eagle3", tmp_path / "e", target)  # SGLang / vLLM read target_hidden_size
+
+
+# FORMATS.md "EAGLE-3.1 options": the flags and the weights they add, by speculators' / vLLM's names.
+EAGLE31_FLAGS = ("norm_before_fc", "fc_norm", "norm_output", "norm_before_residual")
+EAGLE31 = [{"norm_before_fc": True}, {"fc_norm": True}, {"norm_output": True},
+           {"norm_before_fc": True, "norm_output": True, "norm_before_residual": True},
+           {"fc_norm": True, "norm_output": True}]
+
+
+def _eagle31_keys(options: dict) -> dict:
+    keys = {"input_norm.weight": (3 * H,)} if options.get("norm_before_fc") else {}
+    if options.get("fc_norm"):
+        keys.update({f"fc_norm.{i}.weight": (H,) for i in range(3)})
+    return keys
+
+
+@pytest.mark.parametrize("fmt", ("native", "eagle3_vllm", "speculators"))
+@pytest.mark.parametrize("options", EAGLE31, ids=lambda o: "+".join(o))
+def test_eagle31_options_round_trip(tmp_path, target3, fmt, options):
+    """All four flags written, the norms' weights under their engine names, read back by load_export
+    into the same head (same logits over three steps, where norm_output shows)."""
+    from export import validate_export
+
+    head, config = make_eagle3(target3, **options)
+    folder = export_head(head, config, fmt, tmp_path / fmt, target3, dtype="float32")
+    tensors, cfg = _read(folder) if fmt != "native" else (None, None)
+    if fmt != "native":
+        assert {k: tuple(v.shape) for k, v in tensors.items()} == {**_expected(fmt), **_eagle31_keys(options)}
+        for key in _eagle31_keys(options):
+            assert torch.equal(tensors[key], head.state_dict()[key]), key
+        assert {flag: cfg[flag] for flag in EAGLE31_FLAGS} == {flag: options.get(flag, False) for flag in EAGLE31_FLAGS}
+    validate_export(folder, target3)
+    loaded, loaded_config, _ = load_export(folder, target3)
+    assert loaded_config == config
+    assert torch.equal(_eagle3_logits(loaded, target3, steps=3), _eagle3_logits(head, target3, steps=3))
+
+
+@pytest.mark.parametrize("option", ["norm_before_fc", "fc_norm", "norm_output"])
+def test_sglang_layout_refuses_the_eagle31_options(tmp_path, target3, option):
+    """SGLang's layout has no flag for them (and skips unknown weights): named alone it refuses;
+    `engine` writes the layouts that can hold the head."""
+    head, config = make_eagle3(target3, **{option: True})
+    with pytest.raises(ExportError, match=f"format=eagle3: this layout has no EAGLE-3.1 options; this head has "
+                                          f"{option}=true"):
+        export_head(head, config, "eagle3", tmp_path / "e", target3)
+    assert not (tmp_path / "e").exists()
+    with pytest.raises(ExportError, match="no EAGLE-3.1 options"):
+        export_all(head, config, ["native", "eagle3"], tmp_path / "named", target3)
+    paths = export_all(head, config, ["native", "engine"], tmp_path / "all", target3)
+    assert set(paths) == {"native", "eagle3_vllm", "speculators"} and not (tmp_path / "all" / "eagle3").exists()
+
+
+def test_eagle31_flags_are_exclusive_in_every_config(tmp_path, target3):
+    with pytest.raises(ValueError, match="norm_before_fc and fc_norm are exclusive"):
+        make_eagle3(target3, norm_before_fc=True, fc_norm=True)

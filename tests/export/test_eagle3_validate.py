@@ -93,6 +93,9 @@ def test_layer_named_for_another_loader_is_missing_and_unexpected(export3):
     ("speculators", lambda c: c["speculators_config"].update(proposal_methods=[]),
      "config.json.speculators_config.proposal_methods"),
     ("speculators", lambda c: c.update(norm_before_residual=1), "config.json.norm_before_residual: 1, expected False"),
+    ("speculators", lambda c: c.update(norm_output=True), "config.json.norm_output: True, expected False"),
+    ("speculators", lambda c: c.pop("fc_norm"), "config.json.fc_norm: '<missing>', expected False"),
+    ("eagle3_vllm", lambda c: c.update(norm_before_fc=True), "config.json.norm_before_fc: True, expected False"),
 ])
 def test_config_field_mismatch_is_named(tmp_path, target3, fmt, change, named):
     head, config = make_eagle3(target3)
@@ -121,3 +124,23 @@ def test_load_export_refuses_a_broken_eagle3_folder(export3):
     tamper_weights(folder, "model.safetensors", lambda t: t["t2d"].fill_(True))
     with pytest.raises(ValueError, match="t2d marks"):
         load_export(folder)
+
+
+@pytest.mark.parametrize("fmt", ["eagle3_vllm", "speculators"])
+def test_eagle31_flag_off_in_the_file_is_named(tmp_path, target3, fmt):
+    """A head with norm_before_fc and norm_output whose config.json says otherwise: the engines would
+    skip its input norm and feed back the pre-norm state."""
+    head, config = make_eagle3(target3, norm_before_fc=True, norm_output=True)
+    folder = export_head(head, config, fmt, tmp_path / fmt, target3)
+    tamper_json(folder, "config.json", lambda c: c.update(norm_before_fc=False, norm_output=False))
+    problems = validation_problems(folder)
+    assert "config.json.norm_before_fc: False, expected True" in problems
+    assert "config.json.norm_output: False, expected True" in problems
+
+
+def test_eagle3_vllm_folder_without_the_eagle31_flags_still_validates(tmp_path, target3):
+    """Folders written before the flags existed: vLLM reads a missing one as false."""
+    head, config = make_eagle3(target3)
+    folder = export_head(head, config, "eagle3_vllm", tmp_path / "v", target3)
+    tamper_json(folder, "config.json", lambda c: [c.pop(flag) for flag in ("norm_before_fc", "fc_norm", "norm_output")])
+    assert validate_export(folder, target3)["format"] == "eagle3_vllm"
