@@ -11,12 +11,14 @@ import dataclasses
 
 import torch
 
+from export.dflash import DflashFormat
 from export.eagle import EagleFormat
 from export.eagle3 import Eagle3Format
 from export.layout import (  # noqa: F401  (the shared types, for modules that read them here)
     DTYPES, EXPORT_FORMAT_VERSION, BaseModel, ExportError, Format, Tensors, shape_problems, torch_dtype,
 )
 from export.medusa import MedusaFormat, MedusaVllmFormat
+from export.peagle import PeagleSpeculatorsFormat
 from export.speculators import SpeculatorsFormat
 from heads.io import CONFIG_NAME as NATIVE_CONFIG_NAME
 from heads.io import FORMAT_VERSION as NATIVE_FORMAT_VERSION
@@ -71,15 +73,22 @@ def get_format(name: str) -> Format:
     """The format object for one of FORMAT_NAMES."""
     formats = {"native": NativeFormat(), "eagle": EagleFormat("sglang"), "eagle_vllm": EagleFormat("vllm"),
                "eagle3": Eagle3Format("sglang"), "eagle3_vllm": Eagle3Format("vllm"),
-               "speculators": SpeculatorsFormat(), "medusa": MedusaFormat(), "medusa_vllm": MedusaVllmFormat()}
+               "speculators": SpeculatorsFormat(), "medusa": MedusaFormat(), "medusa_vllm": MedusaVllmFormat(),
+               "speculators_peagle": PeagleSpeculatorsFormat()}
+    formats["speculators_dflash"] = DflashFormat()
     if name not in formats:
         raise ExportError(f"format={name!r} is not one of {sorted(formats)} (or 'engine')")
     return formats[name]
 
 
-FORMAT_NAMES = ("native", "eagle", "eagle_vllm", "eagle3", "eagle3_vllm", "speculators", "medusa", "medusa_vllm")
+FORMAT_NAMES = ("native", "eagle", "eagle_vllm", "eagle3", "eagle3_vllm", "speculators", "medusa", "medusa_vllm",
+                "speculators_peagle")
 ENGINE_FORMATS = {"eagle": ("eagle", "eagle_vllm"), "eagle3": ("eagle3", "eagle3_vllm", "speculators"),
-                  "medusa": ("medusa", "medusa_vllm")}
+                  "medusa": ("medusa", "medusa_vllm"), "peagle": ("speculators_peagle",)}
+
+
+# DFlash: the speculators layout, the one engine layout of its kind
+FORMAT_NAMES, ENGINE_FORMATS["dflash"] = (*FORMAT_NAMES, "speculators_dflash"), ("speculators_dflash",)
 
 
 def resolve_formats(formats: list[str] | tuple[str, ...], kind: str) -> list[str]:
