@@ -11,6 +11,7 @@ import dataclasses
 
 import torch
 
+from export.dflash import DflashFormat
 from export.eagle import EagleFormat
 from export.eagle3 import Eagle3Format
 from export.layout import (  # noqa: F401  (the shared types, for modules that read them here)
@@ -74,6 +75,7 @@ def get_format(name: str) -> Format:
                "eagle3": Eagle3Format("sglang"), "eagle3_vllm": Eagle3Format("vllm"),
                "speculators": SpeculatorsFormat(), "medusa": MedusaFormat(), "medusa_vllm": MedusaVllmFormat(),
                "speculators_peagle": PeagleSpeculatorsFormat()}
+    formats["speculators_dflash"] = DflashFormat()
     if name not in formats:
         raise ExportError(f"format={name!r} is not one of {sorted(formats)} (or 'engine')")
     return formats[name]
@@ -83,6 +85,10 @@ FORMAT_NAMES = ("native", "eagle", "eagle_vllm", "eagle3", "eagle3_vllm", "specu
                 "speculators_peagle")
 ENGINE_FORMATS = {"eagle": ("eagle", "eagle_vllm"), "eagle3": ("eagle3", "eagle3_vllm", "speculators"),
                   "medusa": ("medusa", "medusa_vllm"), "peagle": ("speculators_peagle",)}
+
+
+# DFlash: the speculators layout, the one engine layout of its kind
+FORMAT_NAMES, ENGINE_FORMATS["dflash"] = (*FORMAT_NAMES, "speculators_dflash"), ("speculators_dflash",)
 
 
 def resolve_formats(formats: list[str] | tuple[str, ...], kind: str) -> list[str]:

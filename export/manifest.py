@@ -48,6 +48,10 @@ def feature_convention(kind: str, num_layers: int, config=None, fmt: Format | No
     """Which target hidden states the head reads, spelled out (tools number layers differently).
     For EAGLE-3 heads, `layer_ids` names every file field that lists the aux layers, with the
     convention that field uses."""
+    if kind == "dflash":  # EAGLE-3's streams through fc, read by a block drafter
+        return {**feature_convention("eagle3", num_layers, config, fmt),
+                "predicts": "a block [x_a, mask x (B-1)] at positions a.. attends to the fused streams of "
+                            "positions < a; slot j predicts x_{a+j}; logits = the target's lm_head(norm(out))"}
     if kind in ("eagle3", "peagle"):  # P-EAGLE reads EAGLE-3's streams
         ids = list(config.aux_layer_ids)
         layer_ids = {f"{MANIFEST_NAME}:head_config.aux_layer_ids": {"values": ids, "convention": ENTERING}}
@@ -96,6 +100,11 @@ def recommended_runtime(config, runtime: RecommendedRuntime | None) -> dict:
     runtime = runtime or RecommendedRuntime()
     if not isinstance(runtime, RecommendedRuntime):
         raise TypeError(f"recommended runtime: expected a RecommendedRuntime, got {type(runtime).__name__}")
+    if head_type(config) == "dflash":  # the block fixes what one forward drafts
+        return _with_batch_policy({"block_size": config.block_size, "source": "head config", "sources": {},
+                                   "measured_on": None, "gpu_serving_advice": False,
+                                   "advice": "block_size - 1 drafted tokens per step, set by the trained head",
+                                   "vllm": {"num_speculative_tokens": config.block_size - 1}}, runtime.batch_policy)
     if head_type(config) in ("eagle", "eagle3", "peagle"):
         values = {key: int(getattr(runtime, key) if getattr(runtime, key) is not None else default)
                   for key, default in _EAGLE_DEFAULTS.items()}
@@ -221,6 +230,10 @@ def serve_command(manifest: dict, folder: str = "./THIS_FOLDER") -> str:
                 f"# TensorRT-LLM (PyTorch flow), LLM API YAML: speculative_config: {{decoding_type: Eagle3, "
                 f"speculative_model_dir: {folder}, max_draft_len: {runtime['chain_depth']}, "
                 f"eagle3_layers_to_capture: {ids}}}")
+    if fmt == "speculators_dflash":  # speculators format: vLLM finds the verifier and K in config.json
+        spec = json.dumps({"method": "dflash", "model": folder,
+                           "num_speculative_tokens": runtime["vllm"]["num_speculative_tokens"]})
+        return f"vllm serve {folder}\n# or: vllm serve {base} \\\n  --speculative-config '{spec}'"
     if fmt in ("eagle3_vllm", "speculators", "medusa_vllm"):
         method = {"eagle3_vllm": "eagle3", "speculators": "eagle3", "medusa_vllm": "medusa"}[fmt]
         tokens = (manifest["head_config"]["num_heads"] if fmt == "medusa_vllm"

@@ -113,6 +113,8 @@ def head_parameter_counts(job: JobConfig) -> tuple[int, int]:
     """
     arch = _require(job.model.arch)
     D, I, V = arch.hidden_size, arch.intermediate_size, arch.vocab_size
+    if job.heads.type == "dflash":
+        return _dflash_parameters(job)
     if job.heads.type == "eagle3":
         head_dim = D // arch.num_attention_heads
         qkv = 2 * D * (arch.num_attention_heads + 2 * arch.num_key_value_heads) * head_dim  # reads 2D columns
@@ -131,15 +133,46 @@ def head_parameter_counts(job: JobConfig) -> tuple[int, int]:
     return blocks + medusa.num_heads * V * D, 0
 
 
+def dflash_queries(job: JobConfig, tokens_per_record: float | None = None) -> int:
+    """DFlash's query rows per sequence and step: up to max_anchors blocks of block_size slots
+    (anchors lie on loss positions, so a sequence of T tokens holds fewer than T of them)."""
+    o = job.heads.dflash
+    tokens = tokens_per_record or mean_tokens_per_record(job.data.max_length)
+    return int(min(o.max_anchors, max(tokens - o.block_size, 1)) * o.block_size)
+
+
+def _dflash_parameters(job: JobConfig) -> tuple[int, int]:
+    """fc [D, n·D], hidden_norm and norm, and L_d Qwen3 layers (q/k norms of head_dim); the
+    embedding and lm_head are the target's (frozen)."""
+    arch = job.model.arch
+    D, I, V = arch.hidden_size, arch.intermediate_size, arch.vocab_size
+    head_dim = D // arch.num_attention_heads
+    attention = 2 * D * (arch.num_attention_heads + arch.num_key_value_heads) * head_dim + 2 * head_dim
+    layer = attention + 3 * D * I + 2 * D
+    return aux_layer_count(job) * D * D + 2 * D + job.heads.dflash.num_layers * layer, 2 * V * D
+
+
+def _dflash_activations(job: JobConfig, dtype_bytes: int) -> list[Item]:
+    """Every block of a sequence runs at once: each query row keeps L_d layers' activations and
+    its vocabulary logits; the dense block mask is (Q, T + Q) per sequence."""
+    arch, B, T = job.model.arch, job.trainer.batch_size, job.data.max_length
+    Q = dflash_queries(job)
+    per_query = _LAYER_ACTIVATIONS * arch.hidden_size * job.heads.dflash.num_layers * dtype_bytes + 3 * arch.vocab_size * 4
+    return [Item("activations", B * Q * per_query / GB,
+                 f"estimate, micro-batch {B} x {Q} block rows ({job.heads.dflash.max_anchors} anchors x "
+                 f"{job.heads.dflash.block_size} slots)"),
+            Item("block attention mask", B * Q * (T + Q) * 4 / GB, "dense, as an additive float mask")]
+
+
 def feature_layers(job: JobConfig) -> int:
     """How many target hidden-state layers the head reads (EAGLE-1 and Medusa: the last one;
     EAGLE-3: its aux streams plus the final state its teacher's logits come from)."""
-    return aux_layer_count(job) + 1 if job.heads.type == "eagle3" else 1
+    return aux_layer_count(job) + 1 if job.heads.type in ("eagle3", "dflash") else 1
 
 
 def aux_layer_count(job: JobConfig) -> int:
     """EAGLE-3's aux streams (three by default: [2, L//2, L-3])."""
-    ids = job.heads.eagle3.aux_layer_ids
+    ids = job.heads.dflash.aux_layer_ids if job.heads.type == "dflash" else job.heads.eagle3.aux_layer_ids
     return 3 if ids is None else len(ids)
 
 
@@ -245,6 +278,8 @@ def _head_items(job: JobConfig, world: int, dtype_bytes: int) -> list[Item]:
     items = [Item("frozen embedding + lm_head", frozen * dtype_bytes / GB, "the target's, read by the head")] if frozen else []
     stage = ds.zero_stage if ds.enabled else 0
     items += _zero_states(trainable, stage, world if ds.enabled else 1, dtype_bytes == 2, ds.offload_optimizer and ds.enabled)
+    if job.heads.type == "dflash":
+        return items + _dflash_activations(job, dtype_bytes)
     if job.heads.type == "eagle3":  # every unrolled step keeps a layer's activations and its Vd logits
         steps = job.heads.eagle3.ttt_steps
         head_layers, vocab_bytes = steps, (_VOCAB_TENSORS["eagle3"] * steps + 1) * draft_vocab(job) * 4
@@ -318,7 +353,7 @@ def make_plan(job: JobConfig, num_records: int | None = None, tokens_per_record:
             layer_gb = decoder_layer_parameter_count(arch) * dtype_bytes / GB
             training.insert(1, Item("target decoder layers", count * layer_gb,
                                     f"{count} of {arch.num_hidden_layers}: layer 0's shape, heads.eagle.init_layer's weights"))
-        elif job.heads.type == "eagle3":
+        elif job.heads.type in ("eagle3", "dflash"):
             layer_gb = decoder_layer_parameter_count(arch) * dtype_bytes / GB
             training.insert(1, Item("target decoder layers", layer_gb, f"1 of {arch.num_hidden_layers}: layer 0's shape"))
     if offline:
@@ -358,6 +393,8 @@ def make_plan(job: JobConfig, num_records: int | None = None, tokens_per_record:
         plan.extraction_hours = 2 * plan.target_parameters * tokens / (ds.num_gpus // span * ds.num_nodes * tflops) / 3600
     unrolled = job.heads.eagle3.ttt_steps if job.heads.type == "eagle3" else 1
     step = 6 * trainable * unrolled * global_batch * tokens_per_record
+    if job.heads.type == "dflash":  # the head runs on its block rows, not on the sequence
+        step = 6 * trainable * global_batch * dflash_queries(job, tokens_per_record)
     if not offline:
         step += 2 * plan.target_parameters * global_batch * tokens_per_record
     plan.training_hours = trainer.max_steps * step / (world * tflops) / 3600
