@@ -204,12 +204,27 @@ def test_sampled_batch_draws_what_batch_one_draws(lean):
     assert [r.tokens for r in results] == alone
 
 
-@pytest.mark.parametrize("kind", ["eagle", "eagle3"])
+def _eagle31_setup():
+    """tiny_eagle3_setup's target and lean forward with a random EAGLE-3 head that sets the
+    EAGLE-3.1 options (its norms away from ones): norm(out) is fed back in the batched forward too."""
+    from heads.eagle3 import Eagle3Config, Eagle3Head
+
+    target, lean, _ = tiny_eagle3_setup()
+    torch.manual_seed(1)
+    head = Eagle3Head(Eagle3Config.from_target(target, aux_layer_ids=[0, 1], norm_before_fc=True, norm_output=True))
+    with torch.no_grad():
+        for name, weight in head.named_parameters():
+            if "norm" in name:
+                weight.normal_(1.0, 0.3)
+    return target, lean, head.eval()
+
+
+@pytest.mark.parametrize("kind", ["eagle", "eagle3", "eagle3.1"])
 @pytest.mark.parametrize("mode", ["tree", "chain"])
 def test_batched_eagle_drafting_drafts_what_each_sequence_drafts(kind, mode):
     """EAGLE drafts the batch in batched head forwards: the same trees (sizes, acceptance) as
     drafting one sequence at a time, and the same output."""
-    setup = tiny_eagle_setup() if kind == "eagle" else tiny_eagle3_setup()
+    setup = {"eagle": tiny_eagle_setup, "eagle3": tiny_eagle3_setup, "eagle3.1": _eagle31_setup}[kind]()
     model, build = _eagle_factory(setup, mode)
     prompts = ragged_prompts()
     runs = []

@@ -3,8 +3,8 @@
 and a warm one that the target accepts (EAGLE-1/2 from the target's last layer; EAGLE-3 from
 `tiny_eagle3_setup`, which agrees most of the time). Checked: lossless greedy output, EAGLE-2 tree
 invariants, a draft KV cache that equals a fresh recompute from the target's own features, tree
-scores equal to the head module's sequential log-probabilities, the draft vocabulary, and lossless
-output behind a bf16 target."""
+scores equal to the head module's sequential log-probabilities (also for EAGLE-3 heads with the
+EAGLE-3.1 options), the draft vocabulary, and lossless output behind a bf16 target."""
 import copy
 from dataclasses import dataclass
 
@@ -18,7 +18,7 @@ from eval.runtime.generate import plain_generate, speculative_generate
 from eval.runtime.model import LeanLlama
 from eval.runtime.sampling import SamplingConfig
 from heads.eagle import EagleConfig, EagleHead, init_from_target
-from heads.eagle3 import Eagle3Config, Eagle3Head
+from heads.eagle3 import Eagle3Config, Eagle3Head, init_from_target as init_from_target3
 from tests.tiny import tiny_eagle3_setup, tiny_target
 
 NEW_TOKENS = 20
@@ -44,9 +44,10 @@ class Pair:
         return torch.cat([hidden[layer % (self.target.num_layers + 1)][0] for layer in layers], dim=-1)
 
     def module(self, embeds, hidden, positions, past=None, committed=True):
-        """The head module's own forward; committed positions take features, drafts their parent's output."""
-        if self.eagle3 and committed:
-            hidden = self.head.project(hidden)
+        """The head module's own forward; committed positions take features, drafts their parent's
+        output (EAGLE-3: as the head feeds it back, normed under norm_output)."""
+        if self.eagle3:
+            hidden = self.head.project(hidden) if committed else self.head.feedback(hidden)
         return self.head(embeds, hidden, positions, past_key_values=past, use_cache=True)
 
     def log_probs(self, out: torch.Tensor) -> torch.Tensor:
@@ -227,7 +228,46 @@ def test_tree_scores_equal_sequential_chain_log_probs(kind):
     """Each tree node's score equals the cumulative log-probability of its path computed one token
     at a time by the head module without a tree mask: checks the batched expansion's mask,
     positions, fed-back outputs and the draft-to-target id map."""
-    pair = kind["warm"]
+    _check_tree_scores(kind["warm"])
+
+
+EAGLE31 = [{"norm_before_fc": True}, {"fc_norm": True}, {"norm_output": True},
+           {"norm_before_fc": True, "norm_output": True, "norm_before_residual": True}]
+
+
+@pytest.fixture(scope="module", params=EAGLE31, ids=lambda o: "+".join(o))
+def eagle31(request):
+    """A random EAGLE-3 head with EAGLE-3.1 options, its norms away from ones, over half the vocabulary."""
+    torch.manual_seed(0)
+    target = tiny_target()
+    config = Eagle3Config.from_target(target, draft_vocab_size=EVEN.numel(), aux_layer_ids=[1, 0, 1],
+                                      **request.param)
+    head = init_from_target3(Eagle3Head(config), target, EVEN).eval()
+    with torch.no_grad():
+        for name, weight in head.named_parameters():
+            if "norm" in name:
+                weight.normal_(1.0, 0.3)
+    return Pair(target, LeanLlama.from_hf(target.model, max_seq_len=256), head)
+
+
+@torch.no_grad()
+def test_eagle31_drafter_scores_equal_the_head_module(eagle31):
+    """The drafter's tree scores and chain logits are the head module's (fc's input norms at
+    catch-up, norm(out) fed back under norm_output), and drafting stays lossless."""
+    _check_tree_scores(eagle31)
+    drafter = EagleDrafter(eagle31.head, eagle31.lean, mode="chain", depth=3)
+    prompt = prompts(1)[0]
+    candidates, state = _proposal(drafter, eagle31.lean, prompt)
+    output, past, length = drafter.catch_up_output, drafter.past, state.tokens.shape[0]
+    for i, token in enumerate(candidates.tokens.tolist()):
+        assert token == int(torch.argmax(eagle31.log_probs(output)))  # greedy chain: the module's argmax
+        embed = eagle31.lean.embedding[torch.tensor([[token]])]
+        out, past = eagle31.module(embed, output[None, None], torch.tensor([[length - 1 + i]]), past, committed=False)
+        output = out[0, -1]
+    assert speculative_generate(eagle31.lean, drafter, prompt, 12).tokens == plain_generate(eagle31.lean, prompt, 12).tokens
+
+
+def _check_tree_scores(pair):
     drafter = EagleDrafter(pair.head, pair.lean, mode="tree", depth=4, top_k=3, total_tokens=20)
     candidates, state = _proposal(drafter, pair.lean, prompts(1)[0])
     committed, length = drafter.past, state.tokens.shape[0]

@@ -1,6 +1,7 @@
 """The lean drafting runtime of the EAGLE heads equals their own forward (`EagleHead`, `Eagle3Head`):
 committed catch-up (causal, over a growing cache), chain drafts and tree-masked drafts, with q/k
-norm, biases, GQA and (EAGLE-3) norm_before_residual, the draft logits and vocabulary; float64 so
+norm, biases, GQA and (EAGLE-3) norm_before_residual and the EAGLE-3.1 options (fc's input norms,
+norm(out) fed back), the draft logits and vocabulary; float64 so
 that any difference beyond rounding is a bug, plus fp32 (the packed weights)."""
 import pytest
 import torch
@@ -30,7 +31,9 @@ def _head(dtype, kind, **options):
 
 
 CASES = [("eagle", {}), ("eagle", {"qk_norm": True, "qkv_bias": True, "fc_bias": True}),
-         ("eagle3", {}), ("eagle3", {"qk_norm": True, "qkv_bias": True, "norm_before_residual": True})]
+         ("eagle3", {}), ("eagle3", {"qk_norm": True, "qkv_bias": True, "norm_before_residual": True}),
+         ("eagle3", {"norm_before_fc": True, "norm_output": True}),
+         ("eagle3", {"fc_norm": True, "norm_output": True, "norm_before_residual": True}), ("eagle3", {"fc_norm": True})]
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-10), (torch.float32, 1e-4)])
@@ -42,9 +45,11 @@ def test_lean_head_matches_the_head(dtype, tol, kind, options):
     g = torch.Generator().manual_seed(1)
     e, f = torch.randn(20, 48, generator=g, dtype=dtype), torch.randn(20, 48, generator=g, dtype=dtype)
     # Committed positions take the target's features: f_t (EAGLE-1/2) or three aux streams (EAGLE-3,
-    # projected by fc). Drafted entries below take hidden inputs of width D as they are.
+    # projected by fc). Drafted entries below take their parents' outputs of width D, which the
+    # head feeds back as they are (EAGLE-3 under norm_output: normed).
     committed = torch.randn(15, 120, generator=g, dtype=dtype) if kind == "eagle3" else f[:15]
     project = head.project if kind == "eagle3" else (lambda features: features)
+    fed = head.feedback if kind == "eagle3" else (lambda out: out)
     # Committed positions in three catch-ups of different sizes equal one causal forward.
     full, (k, v) = head(e[None, :13], project(committed[None, :13]), torch.arange(13)[None], use_cache=True)
     outs = [lean.commit(e[a:b], committed[a:b]) for a, b in ((0, 6), (6, 7), (7, 13))]
@@ -56,7 +61,7 @@ def test_lean_head_matches_the_head(dtype, tol, kind, options):
     mask1[:, :13] = True
     mask1[torch.arange(3), 13 + torch.arange(3)] = True
     level1 = lean.draft(e[13:16], f[13:16], torch.full((3,), 13), mask1)
-    ref1, (k1, v1) = head(e[None, 13:16], f[None, 13:16], torch.full((1, 3), 13), attention_mask=mask1[None, None],
+    ref1, (k1, v1) = head(e[None, 13:16], fed(f[None, 13:16]), torch.full((1, 3), 13), attention_mask=mask1[None, None],
                           past_key_values=(k, v), use_cache=True)
     torch.testing.assert_close(level1, ref1[0], atol=tol, rtol=tol)
     mask2 = torch.zeros(2, 18, dtype=torch.bool)
@@ -64,13 +69,13 @@ def test_lean_head_matches_the_head(dtype, tol, kind, options):
     mask2[0, 15], mask2[1, 13] = True, True
     mask2[0, 16], mask2[1, 17] = True, True
     level2 = lean.draft(e[16:18], f[16:18], torch.full((2,), 14), mask2)
-    ref2, _ = head(e[None, 16:18], f[None, 16:18], torch.full((1, 2), 14), attention_mask=mask2[None, None],
+    ref2, _ = head(e[None, 16:18], fed(f[None, 16:18]), torch.full((1, 2), 14), attention_mask=mask2[None, None],
                    past_key_values=(k1, v1), use_cache=True)
     torch.testing.assert_close(level2, ref2[0], atol=tol, rtol=tol)
     # mask None: all earlier entries plus causal among the new ones (a chain step).
     chain = lean.draft(e[18:20], f[18:20], torch.tensor([15, 16]))
     causal = torch.ones(2, 20, dtype=torch.bool).tril_(18)
-    ref_chain, _ = head(e[None, 18:20], f[None, 18:20], torch.tensor([[15, 16]]), attention_mask=causal[None, None],
+    ref_chain, _ = head(e[None, 18:20], fed(f[None, 18:20]), torch.tensor([[15, 16]]), attention_mask=causal[None, None],
                         past_key_values=(torch.cat([k1, lean.k[None, :, 16:18]], 2), torch.cat([v1, lean.v[None, :, 16:18]], 2)),
                         use_cache=True)
     torch.testing.assert_close(chain, ref_chain[0], atol=tol, rtol=tol)

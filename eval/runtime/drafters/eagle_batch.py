@@ -26,8 +26,9 @@ from eval.runtime.sampling import probabilities, sample
 def draft_many(runtimes: Sequence[LeanEagleHead], embeds: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
                masks: Sequence[torch.Tensor] | None = None) -> torch.Tensor:
     """Feed n drafted entries per sequence after each runtime's current entries, in one forward.
-    embeds, hidden: (B, n, D); positions: (B, n); masks[b]: (n, end_b) bool over runtime b's
-    entries, end_b = its length + drafted + n (None: everything before plus causal among the n).
+    embeds, hidden: (B, n, D) (hidden: the parents' outputs, fed back as LeanEagleHead.draft does);
+    positions: (B, n); masks[b]: (n, end_b) bool over runtime b's entries, end_b = its length +
+    drafted + n (None: everything before plus causal among the n).
     Returns the outputs (B, n, D). Every runtime must hold the same head (runtimes[0]'s weights run)."""
     head = runtimes[0]
     b, n, d = embeds.shape
@@ -37,8 +38,8 @@ def draft_many(runtimes: Sequence[LeanEagleHead], embeds: torch.Tensor, hidden: 
     span = max(ends)
     for runtime in runtimes:
         runtime._reserve(span)  # K/V buffers and RoPE tables cover every position and slot used here
-    x, residual = head.head_inputs.inputs(embeds.reshape(b * n, d).to(head.dtype),
-                                          hidden.reshape(b * n, -1).to(head.dtype))
+    fed_back = head.head_inputs.feedback(hidden.reshape(b * n, -1).to(head.dtype))  # as LeanEagleHead.draft
+    x, residual = head.head_inputs.inputs(embeds.reshape(b * n, d).to(head.dtype), fed_back)
     qkv = head.qkv(x).view(b * n, H + 2 * Hkv, hd)
     q, k = head.rotated_qk(qkv, positions.reshape(-1).to(head.device))
     k, v = k.reshape(b, n, Hkv, hd), qkv[:, H + Hkv:].reshape(b, n, Hkv, hd)

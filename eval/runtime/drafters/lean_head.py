@@ -17,9 +17,10 @@ positions stay below `length + drafted`, and the RoPE table grows with the K/V b
 
 What differs per head kind sits in one small object (`HeadInputs`): which target layers it reads,
 how they become the layer's hidden input (`project`, at commit), how (embedding, hidden) become the
-attention input and the residual, and the draft logits with their vocabulary. A draft step feeds
-the previous output back as the hidden input for both kinds (EAGLE-1/2: f̂, EAGLE-3: the pre-norm
-output). Numerically it is the heads' own forward (tested against both in float64 and fp32).
+attention input and the residual, what a fed-back output becomes (`feedback`) and the draft logits
+with their vocabulary. A draft step feeds the previous output back as the hidden input for both
+kinds (EAGLE-1/2: f̂, EAGLE-3: the pre-norm output, or its norm under norm_output). Numerically it
+is the heads' own forward (tested against both in float64 and fp32).
 """
 from __future__ import annotations
 
@@ -53,6 +54,9 @@ class HeadInputs(Protocol):
     def inputs(self, embeds: torch.Tensor, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """embeds, hidden (n, D) -> (attention input (n, D or 2D), residual (n, D))."""
 
+    def feedback(self, out: torch.Tensor) -> torch.Tensor:
+        """(n, D) outputs of the parents -> (n, D) hidden input of their drafted children."""
+
     def logits(self, out: torch.Tensor) -> torch.Tensor:
         """(n, D) layer outputs -> (n, Vd) float draft logits."""
 
@@ -77,6 +81,9 @@ class Eagle1Inputs:
         x = self.fc(torch.cat((embeds, hidden), dim=-1))  # (n, D)
         return x, x
 
+    def feedback(self, out):
+        return out  # f̂ itself
+
     def logits(self, out):
         if self.projection is None:
             raise RuntimeError("lean eagle head: built without the target's lm_head, it has no logits")
@@ -84,9 +91,11 @@ class Eagle1Inputs:
 
 
 class Eagle3Inputs:
-    """EAGLE-3: h = fc(cat(aux)) at commit; the layer reads cat(input_layernorm(e), hidden_norm(h))
-    with residual h (or hidden_norm(h) when norm_before_residual); logits = lm_head(norm(out)) over
-    the head's own draft vocabulary (draft id i = target id i + d2t[i])."""
+    """EAGLE-3: h = fc(cat(aux)) at commit, aux RMS-normed first as one vector (norm_before_fc) or
+    stream by stream (fc_norm); the layer reads cat(input_layernorm(e), hidden_norm(h)) with
+    residual h (or hidden_norm(h) when norm_before_residual); a drafted child reads its parent's out
+    (norm(out) under norm_output); logits = lm_head(norm(out)) over the head's own draft vocabulary
+    (draft id i = target id i + d2t[i])."""
 
     def __init__(self, head: Eagle3Head):
         c, layer = head.config, head.midlayer
@@ -96,10 +105,21 @@ class Eagle3Inputs:
         self.hidden_norm = RMSNorm(layer.hidden_norm.weight, c.rms_norm_eps)
         self.norm = RMSNorm(head.norm.weight, c.rms_norm_eps)
         self.norm_before_residual = c.norm_before_residual
+        self.norm_output = c.norm_output
+        # fc's input norms: one over all of aux, or one per stream of width Ht (none: aux as it is)
+        self.stream_width = len(c.aux_layer_ids) * c.target_hidden_size if c.norm_before_fc else c.target_hidden_size
+        self.fc_norms = ([RMSNorm(head.input_norm.weight, c.rms_norm_eps)] if c.norm_before_fc else
+                         [RMSNorm(norm.weight, c.rms_norm_eps) for norm in head.fc_norm] if c.fc_norm else [])
         self.vocab = None if c.draft_vocab_size == c.vocab_size else head.draft_ids().detach().clone()
 
     def project(self, features):
+        if self.fc_norms:
+            streams = features.split(self.stream_width, dim=-1)
+            features = torch.cat([norm(stream) for norm, stream in zip(self.fc_norms, streams, strict=True)], dim=-1)
         return self.fc(features)  # (n, n_aux * Ht) -> (n, D)
+
+    def feedback(self, out):
+        return self.norm(out) if self.norm_output else out
 
     def inputs(self, embeds, hidden):
         normed = self.hidden_norm(hidden)
@@ -189,10 +209,10 @@ class LeanEagleHead:
     @torch.no_grad()
     def draft(self, embeds: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
               mask: torch.Tensor | None = None) -> torch.Tensor:
-        """Feed n drafted entries after the current ones; hidden (n, D): the parents' outputs.
-        mask: (n, length + drafted + n) bool, True = may attend; None = everything before plus
-        causal among the n. Returns the outputs (n, D)."""
-        out = self._forward(embeds, hidden.to(self.device, self.dtype), positions, mask)
+        """Feed n drafted entries after the current ones; hidden (n, D): the parents' outputs (fed
+        back as the head feeds them, `HeadInputs.feedback`). mask: (n, length + drafted + n) bool,
+        True = may attend; None = everything before plus causal among the n. Returns the outputs (n, D)."""
+        out = self._forward(embeds, self.head_inputs.feedback(hidden.to(self.device, self.dtype)), positions, mask)
         self.drafted += embeds.shape[0]
         return out
 
