@@ -151,3 +151,27 @@ def test_a_job_with_a_batch_sweep_exports_its_policy(tiny_chat_model, tmp_path, 
     assert "eval batch 1: eagle_tree tau" in out and "eval batch 2: eagle_tree tau" in out
     kept = json.loads((tmp_path / "run" / "job_summary.json").read_text())
     assert kept["eval"]["batch_sweep"] == sweep
+
+
+@pytest.mark.integration
+def test_eagle3_options_job_runs_every_stage(tiny_chat_model, tmp_path):
+    """heads.eagle3.norm_before_fc=true heads.eagle3.norm_output=true as overrides of the job: the
+    head trains and drafts with them, `engine` writes the layouts that carry them (SGLang's does not)
+    and they validate with the flags and input_norm written."""
+    from export.validate import validate_export
+
+    job = pipeline_job(tiny_chat_model, tmp_path, "run", 2, "heads=eagle3", "heads.eagle3.aux_layer_ids=[1,1,1]",
+                       "heads.eagle3.norm_before_fc=true", "heads.eagle3.norm_output=true", "heads.eagle3.init_fc=ridge",
+                       "heads.eagle3.ridge_tokens=100", "heads.draft_vocab_size=512", "runtime.drafters=[eagle_chain]",
+                       "runtime.tree_sweep=[]", "runtime.num_prompts=1", "runtime.max_new_tokens=6",
+                       "runtime.compare_transformers=false")
+    summary = run_job(job)
+    assert summary["train"]["steps"] == 2 and [row["name"] for row in summary["eval"]["drafters"]] == ["eagle_chain"]
+    assert set(summary["export"]) == {"native", "eagle3_vllm", "speculators"}
+    for folder in summary["export"].values():
+        validate_export(folder)
+    native = json.loads((tmp_path / "run" / "export" / "native" / "head_config.json").read_text())["config"]
+    assert (native["norm_before_fc"], native["fc_norm"], native["norm_output"]) == (True, False, True)
+    for fmt in ("eagle3_vllm", "speculators"):
+        config = json.loads((tmp_path / "run" / "export" / fmt / "config.json").read_text())
+        assert (config["norm_before_fc"], config["fc_norm"], config["norm_output"]) == (True, False, True)
