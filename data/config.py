@@ -10,6 +10,7 @@ FORMATS = ("auto", "json", "jsonl", "hub", "disk")  # data.format (data.sources 
 OVERFLOW_MODES = ("truncate", "drop", "split")  # data.overflow (data.pipeline applies them)
 MODES = ("online", "offline")  # data.mode
 FEATURE_CACHE_DTYPES = ("bfloat16", "float16", "float32")  # data.feature_cache_dtype
+GENERATORS = ("auto", "lean", "hf")  # data.regenerate.generator
 
 
 @dataclass
@@ -19,7 +20,10 @@ class RegenerateConfig:
     enabled: bool = False
     temperature: float = 0.0
     max_new_tokens: int = 256
-    batch_size: int = 32  # > 1: transformers' batched generate; 1: the lean runtime, one prompt at a time
+    batch_size: int = 32  # replies decoded together (1: one prompt at a time)
+    # auto | lean | hf: the runtime's batched decoder over the lean forward (continuous batching;
+    # Llama-family targets) or transformers' batched generate; auto takes lean where it loads
+    generator: str = "auto"
     shard_size: int = 256
     # keep each conversation up to its N-th assistant turn (None: all): later turns carry long
     # prompts, which cost most of the generation time for few new tokens
@@ -59,3 +63,5 @@ class DataConfig:
         positive(f"{key}.max_eval_records", self.max_eval_records, allow_zero=True)
         positive(f"{key}.num_proc", self.num_proc)
         fraction(f"{key}.eval_fraction", self.eval_fraction, high_open=True)
+        choice(f"{key}.regenerate.generator", self.regenerate.generator, GENERATORS)
+        positive(f"{key}.regenerate.batch_size", self.regenerate.batch_size)

@@ -108,9 +108,11 @@ def _regenerate_batch(records: list[dict], tokenizer, generate_fn: GenerateFn, c
         # Similar lengths side by side: a left-padded batch computes every row to its longest prompt.
         order = sorted(range(len(prompts)), key=lambda j: len(prompts[j]))
         prompts, asked = [prompts[j] for j in order], [asked[j] for j in order]
-        for start in range(0, len(prompts), config.batch_size):
-            replies = generate_fn(prompts[start:start + config.batch_size], config.max_new_tokens, config.temperature)
-            for b, reply in zip(asked[start:start + config.batch_size], replies):
+        # A generator that batches itself (continuous batching) takes the whole round at once.
+        step = (len(prompts) or 1) if getattr(generate_fn, "batches_itself", False) else config.batch_size
+        for start in range(0, len(prompts), step):
+            replies = generate_fn(prompts[start:start + step], config.max_new_tokens, config.temperature)
+            for b, reply in zip(asked[start:start + step], replies):
                 conversations[b][position[b]]["content"] = tokenizer.decode(reply, skip_special_tokens=True).strip()
                 position[b] += 1
             on_replies(len(replies))
@@ -126,14 +128,16 @@ def _regenerate_batch(records: list[dict], tokenizer, generate_fn: GenerateFn, c
 
 
 def shard_key(records: Sequence[dict], config: RegenerateConfig, max_prompt_tokens: int, seed: int,
-              target_identity: dict | None = None) -> str:
+              target_identity: dict | None = None, dtype: str = "float32") -> str:
     """What a shard is made from: its records' ids, in order, the target that wrote the replies
-    (`target_identity`: its fingerprint and tokenizer hash) and every sampling setting that changes
-    them (a digest, written beside the shard)."""
+    (`target_identity`: its fingerprint and tokenizer hash), the dtype it computed in, and every
+    sampling setting that changes them (a digest, written beside the shard)."""
     settings = {"temperature": config.temperature, "max_new_tokens": config.max_new_tokens,
                 "max_turns": config.max_turns, "max_prompt_tokens": max_prompt_tokens, "seed": seed,
                 "sampling": "top_k=0, top_p=1" if config.temperature > 0 else "greedy",
                 "target": target_identity or {}}
+    if dtype != "float32":  # fp32 keys stay those of shards written before the dtype was chosen
+        settings["dtype"] = dtype
     payload = json.dumps({"ids": [str(r["id"]) for r in records], "settings": settings}, sort_keys=True)
     return hashlib.sha256(payload.encode("utf-8")).hexdigest()[:32]
 
@@ -156,7 +160,8 @@ def _shard_done(output_dir: Path, index: int, key: str) -> bool:
 
 def regenerate(records: Sequence[dict], tokenizer, generate_fn: GenerateFn, output_dir: str | os.PathLike,
                config: RegenerateConfig, max_prompt_tokens: int = 2048, rank: int = 0, world_size: int = 1,
-               seed: int = 0, progress: bool = True, target_identity: dict | None = None) -> dict:
+               seed: int = 0, progress: bool = True, target_identity: dict | None = None,
+               dtype: str = "float32") -> dict:
     """Regenerate the assistant turns of normalised records (`{"id", "messages": [{"role",
     "content"}]}`) into this rank's missing shards of `output_dir`. A conversation stops before a
     turn whose prompt plus max_new_tokens exceeds max_prompt_tokens (dropped if no reply is left).
@@ -169,7 +174,7 @@ def regenerate(records: Sequence[dict], tokenizer, generate_fn: GenerateFn, outp
     output_dir.mkdir(parents=True, exist_ok=True)
     size = config.shard_size
     shards = range(rank, -(-len(records) // size), world_size)
-    keys = {s: shard_key(records[s * size:(s + 1) * size], config, max_prompt_tokens, seed, target_identity)
+    keys = {s: shard_key(records[s * size:(s + 1) * size], config, max_prompt_tokens, seed, target_identity, dtype)
             for s in shards}
     missing = [s for s in shards if not _shard_done(output_dir, s, keys[s])]
     turns = {s: sum(m["role"] == "assistant" for r in records[s * size:(s + 1) * size]

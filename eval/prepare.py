@@ -25,11 +25,11 @@ from eval.config import RuntimeConfig
 from eval.runtime import linear_paths, placement
 from eval.runtime.model import LeanLlama
 from eval.timing import cpu_info
+from heads.dtypes import bf16_flags  # one rule with the data and training stages
 
 log = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
-BF16_FLAGS = ("avx512_bf16", "amx_bf16")
 
 
 def cpu_flags() -> set[str]:
@@ -59,7 +59,7 @@ def candidate_dtypes(setting: str, model_dtype: torch.dtype, device: torch.devic
         return [model_dtype], "the target's dtype (its weights are used in place)"
     if device.type != "cpu":
         return [model_dtype], f"the target's dtype on {device.type}"
-    bf16 = sorted(set(BF16_FLAGS) & (cpu_flags() if flags is None else flags))
+    bf16 = bf16_flags(cpu_flags() if flags is None else flags)
     if not bf16:
         return [torch.float32], "fp32: this CPU has no bf16 instructions (no avx512_bf16 or amx_bf16)"
     return [torch.float32, torch.bfloat16], f"measured: fp32 vs bf16 (CPU flags {', '.join(bf16)})"

@@ -106,9 +106,11 @@ def train_heads(job, target, data, source: FeatureSource | None = None, accelera
     target.to(device)
     size = job.heads.draft_vocab_size  # counted once here; the head stores it, its loss and drafters read it
     vocab = frequent_reply_tokens(data.train, size, target.vocab_size) if size else None
-    parts = FrozenParts.from_target(target, device)
+    # On a CPU the heads train in fp32 whatever the frozen target computes in (heads/dtypes.py).
+    fp32_heads = torch.float32 if device.type == "cpu" and target.dtype != torch.float32 else None
+    parts = FrozenParts.from_target(target, device, fp32_heads)
     layers = kind.feature_layers(target.num_layers)
-    source = source or OnlineFeatures(target, layers)
+    source = source or OnlineFeatures(target, layers, fp32_heads)
     if source_layers(source) != layers:
         raise ValueError(f"the feature source supplies target layers {source_layers(source)}, but a {kind.name} "
                          f"head reads {layers}")

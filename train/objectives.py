@@ -44,13 +44,14 @@ class OnlineFeatures:
     """Run the frozen target on each batch (online mode). layers: transformers' hidden_states
     numbering (i = the stream entering decoder layer i), -1 = the final post-norm state."""
 
-    def __init__(self, target, layers: tuple[int, ...] = (FINAL,)):
-        self.target, self.layers = target, tuple(layers)
+    def __init__(self, target, layers: tuple[int, ...] = (FINAL,), dtype: torch.dtype | None = None):
+        self.target, self.layers, self.dtype = target, tuple(layers), dtype  # dtype: the features' (None: the target's)
 
     def __call__(self, batch: dict) -> torch.Tensor:
         out = self.target.features(batch["input_ids"], batch["attention_mask"], layers=self.layers)
         states = [out.hidden[layer % (self.target.num_layers + 1)] for layer in self.layers]  # each (B, T, D)
-        return states[0] if len(states) == 1 else torch.cat(states, -1)
+        states = states[0] if len(states) == 1 else torch.cat(states, -1)
+        return states if self.dtype is None else states.to(self.dtype)
 
 
 class MemoizedFeatures:
@@ -92,12 +93,16 @@ class FrozenParts:
         self._rows: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @classmethod
-    def from_target(cls, target, device=None) -> "FrozenParts":
+    def from_target(cls, target, device=None, dtype: torch.dtype | None = None) -> "FrozenParts":
         """device: where the heads train; a split target's embedding and lm_head, which lie on the
-        first and last GPU of its group, are copied there (no copy where they already are)."""
+        first and last GPU of its group, are copied there (no copy where they already are).
+        dtype: the heads' compute dtype where it differs from the target's (a bf16 target feeding
+        fp32 heads on a CPU)."""
         embed, lm_head = target.embed_tokens.weight.detach(), target.lm_head.weight.detach()
         if device is not None:
             embed, lm_head = embed.to(device), lm_head.to(device)
+        if dtype is not None:
+            embed, lm_head = embed.to(dtype), lm_head.to(dtype)
         return cls(embed, lm_head)
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:

@@ -103,6 +103,9 @@ def _run_stages(job: JobConfig) -> dict:
     check_arch(job, target)
     summary: dict = {"recipe": job.recipe, "target": target.name, "fingerprint": target.fingerprint(),
                      "hardware": hardware()}
+    loaded_dtype = target.dtype
+    if {"regenerate", "data", "train", "features"} & set(job.stages) or job.data.regenerate.enabled:
+        summary["target_dtype"] = frozen_target_dtype(job, target).to_dict()
 
     if "regenerate" in job.stages or job.data.regenerate.enabled:
         job, regenerated, data_source = on_regenerated_data(job, target)
@@ -137,7 +140,7 @@ def _run_stages(job: JobConfig) -> dict:
         result = train_heads(job, target, prepared, source=source)
         summary["train"] = {"steps": result.steps, "stopped": result.stopped, "best_eval": result.best_eval,
                             "hardware": hardware(), "recipe": job.recipe, "data_source": data_source,
-                            "final_eval": result.final_eval,
+                            "final_eval": result.final_eval, "target_dtype": summary.get("target_dtype"),
                             "best_checkpoint": str(result.best_checkpoint or result.last_checkpoint)}
         checkpoint = result.best_checkpoint or result.last_checkpoint
         if int(os.environ.get("RANK", "0")) == 0:  # a later stage that fails keeps the training figures
@@ -150,6 +153,8 @@ def _run_stages(job: JobConfig) -> dict:
         if checkpoint is None:
             raise FileNotFoundError(f"no trained head found under {run_dir} (run the train stage first)")
         stages = [s for s in ("eval", "export") if s in job.stages]
+        if target.dtype != loaded_dtype:  # the runtime chooses its own dtype from the target as loaded
+            target = load_job_target(job)
         summary.update(run_on_main_process(
             lambda: _eval_and_export(job, target, checkpoint, run_dir, prepared, {**earlier, **summary}),
             what=" and ".join(stages)))
@@ -161,13 +166,30 @@ def _run_stages(job: JobConfig) -> dict:
     return summary
 
 
+def frozen_target_dtype(job: JobConfig, target: FrozenTarget):
+    """The dtype the frozen target's forwards compute in for self-distillation and the feature pass
+    (heads/dtypes.py, the rule `runtime.dtype=auto` follows): with model.dtype=auto on a CPU, fp32
+    or bf16 by this CPU's instructions and a measured forward, the target cast in place when bf16
+    wins; any other setting or device keeps the dtype it was loaded in. The head trains in fp32."""
+    from heads.dtypes import DtypeChoice, choose_cpu_dtype
+
+    loaded = str(target.dtype).removeprefix("torch.")
+    if (job.model.dtype != "auto" or target.device.type != "cpu" or target.is_split or target.loaded_in_parts
+            or target.dtype != torch.float32):
+        return DtypeChoice(loaded, f"as loaded (model.dtype={job.model.dtype}, {target.device.type})")
+    choice = choose_cpu_dtype(target.model)
+    if choice.dtype == "bfloat16":
+        target.model.to(torch.bfloat16)
+    log.info("frozen target computes in %s: %s", choice.dtype, choice.reason)
+    return choice
+
+
 def on_regenerated_data(job: JobConfig, target: FrozenTarget) -> tuple[JobConfig, Path, str]:
     """Self-distillation: the target's replies regenerated (or found, shard by shard), and the job
     reading them. Returns (that job, the regenerated JSONL, a description of the data for lineage)."""
     from train.selfdistill import describe_regenerated, regenerate_data
 
-    lean = _lean_generate_fn(job, target) if job.data.regenerate.batch_size == 1 else None
-    regenerated = regenerate_data(job, target, lean)  # None: transformers' batched generate
+    regenerated = regenerate_data(job, target, _regenerator(job, target))
     data = dataclasses.replace(job.data, source=str(regenerated), format="jsonl")
     return dataclasses.replace(job, data=data), regenerated, describe_regenerated(job)
 
@@ -248,29 +270,64 @@ def _log_dataset(job: JobConfig, run_dir: Path, description: str) -> None:
                              files=[run_dir / "data_stats.json"], metadata={"source": description})
 
 
-def _lean_generate_fn(job: JobConfig, target: FrozenTarget):
-    """Self-distillation with the project's own fast forward, one prompt at a time (Llama family;
-    None for other architectures, which fall back to transformers' generate). Used when
-    data.regenerate.batch_size is 1: one prompt at a time the lean forward is faster than
-    transformers' generate, and batched generate overtakes it from a few prompts per batch on."""
+def lean_generate_fn(target: FrozenTarget, max_seq_len: int, seed: int = 0, batch_size: int = 1):
+    """Self-distillation with the project's own fast forward (Llama family; None for other
+    architectures, which fall back to transformers' generate). batch_size 1: one prompt at a time;
+    more: the runtime's batched decoder with continuous batching, so a finished reply's slot takes
+    the next prompt at once instead of waiting for the batch's longest reply as a static batch does.
+    Greedy replies are the target's greedy replies; sampled ones draw from one generator per reply,
+    seeded from torch's global RNG (which data/regenerate.py seeds per shard)."""
+    from eval.runtime.batch_generate import BatchDecoder
     from eval.runtime.generate import plain_generate
     from eval.runtime.model import LeanLlama
     from eval.runtime.sampling import SamplingConfig
 
     try:
-        lean = LeanLlama.from_hf(target.model, max_seq_len=job.data.max_length + job.data.regenerate.max_new_tokens)
+        lean = LeanLlama.from_hf(target.model, max_seq_len=max_seq_len)
     except (KeyError, ValueError, NotImplementedError) as error:
         log.info("lean forward unavailable for this target (%s); regenerating with transformers", error)
         return None
     eos = [i for i in {target.config.eos_token_id, target.tokenizer.eos_token_id} if isinstance(i, int)]
-    generator = torch.Generator().manual_seed(job.trainer.seed)
+    generator = torch.Generator().manual_seed(seed)
 
-    def generate(prompts: list[list[int]], max_new_tokens: int, temperature: float) -> list[list[int]]:
+    def one_at_a_time(prompts: list[list[int]], max_new_tokens: int, temperature: float) -> list[list[int]]:
         sampling = SamplingConfig(temperature=temperature)
         return [plain_generate(lean, torch.tensor(p, device=target.device), max_new_tokens, sampling, eos,
                                generator).tokens for p in prompts]
 
-    return generate
+    def continuous(prompts: list[list[int]], max_new_tokens: int, temperature: float) -> list[list[int]]:
+        if not prompts:
+            return []
+        sampling = SamplingConfig(temperature=temperature)
+        longest = max(len(p) for p in prompts) + max_new_tokens + 1
+        decoder = BatchDecoder(lean, min(batch_size, len(prompts)), sampling, eos, max_length=longest)
+        results, waiting = [None] * len(prompts), list(range(len(prompts)))[::-1]
+        while waiting or decoder.active:
+            while waiting and decoder.free:
+                index = waiting.pop()
+                rng = None
+                if temperature > 0:
+                    rng = torch.Generator().manual_seed(int(torch.randint(0, 2**62, ()).item()))
+                results[index] = decoder.join(torch.tensor(prompts[index], device=target.device), max_new_tokens,
+                                              rng, index).result
+            decoder.step()
+        return [list(result.tokens) for result in results]
+
+    if batch_size <= 1:
+        return one_at_a_time
+    continuous.batches_itself = True  # data/regenerate.py hands it a whole round, not batch_size slices
+    return continuous
+
+
+def _regenerator(job: JobConfig, target: FrozenTarget):
+    """The generate function self-distillation uses (None: transformers' batched generate):
+    data.regenerate.generator `lean`, `hf`, or `auto` = lean for Llama-family targets (the faster
+    on the CPUs measured, scripts/bench_regenerate.py; one prompt at a time it always is)."""
+    config = job.data.regenerate
+    if config.generator == "hf" and config.batch_size > 1:
+        return None
+    return lean_generate_fn(target, job.data.max_length + config.max_new_tokens, job.trainer.seed,
+                            config.batch_size)
 
 
 def _latest_checkpoint(run_dir: Path) -> Path | None:

@@ -42,7 +42,8 @@ def regenerate_data(job, target, generate_fn=None) -> Path:
         generate_fn = hf_generate_fn(target.model, pad, eos_ids(target))
     rank, world = rank_world()
     regenerate(records, target.tokenizer, generate_fn, directory, config, max_prompt_tokens=job.data.max_length,
-               rank=rank, world_size=world, seed=job.trainer.seed, target_identity=target_identity(target))
+               rank=rank, world_size=world, seed=job.trainer.seed, target_identity=target_identity(target),
+               dtype=str(target.dtype).removeprefix("torch."))
     shards = -(-len(records) // config.shard_size)
     wait_for([directory / f"regenerated-{s:05d}.jsonl" for s in range(shards)], "regenerated shards")
     merged = directory / "regenerated.jsonl"

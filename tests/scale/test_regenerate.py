@@ -145,3 +145,54 @@ def test_a_shard_written_by_another_target_is_written_again(tmp_path):
     retokenized = {"fingerprint": "bbbb", "tokenizer": "t2"}
     assert regenerate(_records(4), tokenizer, generate, out, config, progress=False,
                       target_identity=retokenized)["written"] == [0, 1]
+
+
+def _lean_target():
+    from heads.target import FrozenTarget
+
+    tokenizer = ToyTokenizer()
+    tokenizer.eos_token_id = 2
+    return FrozenTarget(tiny_model(), tokenizer, name="tiny")
+
+
+def test_continuous_batching_regenerator_gives_the_one_at_a_time_replies():
+    """The lean regenerator with continuous batching (slots refilled as replies finish) writes the
+    greedy replies of one-prompt-at-a-time decoding and of transformers' generate."""
+    from train.pipeline import lean_generate_fn
+
+    target = _lean_target()
+    prompts = [[3 + (7 * i + j) % 90 for j in range(4 + 3 * i)] for i in range(7)]
+    continuous = lean_generate_fn(target, max_seq_len=64, batch_size=3)
+    single = lean_generate_fn(target, max_seq_len=64, batch_size=1)
+    assert getattr(continuous, "batches_itself", False) and not getattr(single, "batches_itself", False)
+    replies = continuous(prompts, 9, 0.0)
+    assert replies == single(prompts, 9, 0.0)
+    hf = hf_generate_fn(target.model, pad_id=0, eos_ids=[2])
+    assert replies == [hf([p], 9, 0.0)[0] for p in prompts]
+    assert all(1 <= len(r) <= 9 for r in replies)
+
+
+def test_a_generator_that_batches_itself_gets_each_round_whole(tmp_path):
+    seen = []
+
+    def generate(prompts, max_new_tokens, temperature):
+        seen.append(len(prompts))
+        return [[5, 6, 2] for _ in prompts]
+
+    generate.batches_itself = True
+    config = RegenerateConfig(enabled=True, max_new_tokens=4, batch_size=2, shard_size=5)
+    regenerate(_records(5), ToyTokenizer(), generate, tmp_path, config, progress=False)
+    assert seen == [5, 5]  # two assistant turns per conversation: two rounds, not slices of batch_size
+
+
+def test_shards_written_in_another_dtype_are_written_again(tmp_path):
+    from data.regenerate import shard_key
+
+    records, config = _records(2), RegenerateConfig(enabled=True)
+    assert shard_key(records, config, 2048, 0) == shard_key(records, config, 2048, 0, dtype="float32")
+    assert shard_key(records, config, 2048, 0, dtype="bfloat16") != shard_key(records, config, 2048, 0)
+    small = RegenerateConfig(enabled=True, max_new_tokens=3, batch_size=2, shard_size=2)
+    generate = Counting(hf_generate_fn(tiny_model(), pad_id=0, eos_ids=[2]))
+    regenerate(records, ToyTokenizer(), generate, tmp_path, small, progress=False)
+    again = regenerate(records, ToyTokenizer(), generate, tmp_path, small, progress=False, dtype="bfloat16")
+    assert again["written"] == [0]

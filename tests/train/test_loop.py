@@ -47,6 +47,19 @@ def test_tiny_training_lowers_the_loss(tmp_path, kind):
     assert json.loads((tmp_path / "result.json").read_text())["steps"] == 24
 
 
+@pytest.mark.parametrize("kind", ["eagle", "eagle3"])
+def test_a_bf16_target_trains_fp32_heads_on_the_cpu(tmp_path, kind):
+    """The frozen target may compute in bf16 (heads/dtypes.py); the head keeps fp32 weights and
+    reads fp32 features, embedding and lm_head."""
+    target = tiny_target()
+    target.model.to(torch.bfloat16)
+    job = tiny_job(tmp_path, kind, max_steps=6, eval_every=6, save_every=6, learning_rate=1e-2)
+    result = train_heads(job, target, tiny_data())
+    assert result.steps == 6 and all(math.isfinite(v) for v in _metrics(tmp_path).values())
+    head, _, _ = load_head(result.best_checkpoint, target)
+    assert all(p.dtype == torch.float32 for p in head.parameters())
+
+
 def test_resume_after_a_crash_reproduces_the_losses(tmp_path):
     target, data = tiny_target(), tiny_data()
     job = tiny_job(tmp_path, keep_last=3)
