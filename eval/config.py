@@ -7,6 +7,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from eval.runtime.drafters.kinds import head_drafters
+
 log = logging.getLogger(__name__)
 
 
@@ -57,7 +59,8 @@ class RuntimeConfig:
     batch_one_check: bool = True  # the sweep also times batch size 1 through the batch decoder vs the batch-1 loop
 
 
-DRAFTERS = ("eagle_tree", "eagle_chain", "medusa", "prompt_lookup", "draft_model", "self_speculation")
+HEAD_FREE_DRAFTERS = ("prompt_lookup", "draft_model", "self_speculation")  # drafters that need no trained head
+DRAFTERS = (*head_drafters(), *HEAD_FREE_DRAFTERS)  # the head drafters: one table per kind, the runtime's
 
 
 def _is_int(value) -> bool:

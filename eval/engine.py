@@ -166,14 +166,9 @@ def training_estimate(manifest: dict, k: int) -> dict | None:
 def chain_drafter(head, lean, k: int):
     """Our runtime's chain at depth K, drafting as vLLM does (see the module docstring): argmax drafts
     at a temperature too (vLLM's default draft_sample_method), verified losslessly as one-hot drafts."""
-    from eval.runtime.drafters.eagle import EagleDrafter
-    from eval.runtime.drafters.medusa import MedusaDrafter
-    from heads.medusa import MedusaHeads
+    from eval.runtime.drafters.kinds import kind_drafters
 
-    if isinstance(head, MedusaHeads):
-        return MedusaDrafter(head, lean, [[0] * depth for depth in range(1, k + 1)], draft_vocab=None)
-    return EagleDrafter(head, lean, mode="chain", depth=k, top_k=1, total_tokens=2, draft_vocab=None,
-                        greedy_drafts=True)
+    return kind_drafters(head).chain(head, lean, k, draft_vocab=None, greedy_drafts=True)
 
 
 def run_ours(target, heads: Sequence, prompts: Sequence[Sequence[int]], k: int, runtime: RuntimeConfig,

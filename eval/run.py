@@ -15,7 +15,7 @@ import torch
 
 from eval.batch_eval import evaluate_batches
 from eval.calibrate import eagle_tree_budget, medusa_choices, verify_costs
-from eval.config import RuntimeConfig
+from eval.config import DRAFTERS, RuntimeConfig
 from eval.divergence import classify
 from eval.prepare import prepare_target, runtime_sizes
 from eval.recommend import head_fields, recommended_runtime
@@ -25,23 +25,19 @@ from eval.runtime.drafters import Drafter
 from eval.runtime.drafters.adaptive import FallbackDrafter, SpeculationGate
 from eval.runtime.drafters.draft_model import DynamicGamma, self_speculation_drafter
 from eval.runtime.drafters.eagle import EagleDrafter
+from eval.runtime.drafters.kinds import drafters_for, head_drafters, kind_drafters, kinds_running
 from eval.runtime.drafters.medusa import MedusaDrafter
 from eval.runtime.drafters.prompt_lookup import PromptLookupDrafter
 from eval.runtime.generate import GenerationResult, plain_generate, speculative_generate
 from eval.runtime.model import LeanLlama
 from eval.runtime.sampling import SamplingConfig
 from eval.timing import measured_on
-from heads.eagle import EagleHead
 from heads.eagle3 import Eagle3Head
-from heads.medusa import MedusaHeads
 from heads.vocab import draft_ids
 
 log = logging.getLogger(__name__)
 
-DRAFTERS = ("medusa", "eagle_chain", "eagle_tree", "prompt_lookup", "self_speculation", "draft_model")
-EAGLE_HEADS = (EagleHead, Eagle3Head)  # the EAGLE drafters run EAGLE-1/2 and EAGLE-3 heads alike
-HEAD_DRAFTERS = {"medusa": (MedusaHeads,), "eagle_chain": EAGLE_HEADS, "eagle_tree": EAGLE_HEADS}
-GATED_DRAFTERS = ("medusa", "eagle_chain", "eagle_tree", "prompt_lookup")  # runtime.fallback (draft models gate themselves)
+GATED_DRAFTERS = (*head_drafters(), "prompt_lookup")  # runtime.fallback (draft models gate themselves)
 
 
 @dataclass
@@ -125,10 +121,9 @@ def build_methods(names: Sequence[str], runtime: RuntimeConfig, lean: LeanLlama,
     for name in names:
         if name not in DRAFTERS:
             raise ValueError(f"runtime.drafters: unknown drafter {name!r} (one of {DRAFTERS})")
-        needed = HEAD_DRAFTERS.get(name)
-        if needed is not None and not isinstance(head, needed):
-            log.warning("skipping %s: it needs a %s head (got %s)", name, " or ".join(k.__name__ for k in needed),
-                        type(head).__name__)
+        kinds = kinds_running(name)
+        if kinds and (head is None or name not in drafters_for(head)):
+            log.warning("skipping %s: it needs a %s head (got %s)", name, " or ".join(kinds), type(head).__name__)
             continue
         vocab = {} if ids is None else {"draft_vocab": len(ids)}
         if name == "prompt_lookup":
@@ -145,10 +140,6 @@ def build_methods(names: Sequence[str], runtime: RuntimeConfig, lean: LeanLlama,
                 lean, layers, DynamicGamma(draft_cost=cost, verify_cost=curve)),
                 settings={"draft_layers": layers, "draft_cost": round(cost, 3),
                           "verify_cost": [round(c, 3) for c in curve]}))
-        elif name == "eagle_chain":
-            methods.append(Method(name, _gated(lambda: _eagle(head, lean, "chain", runtime, 2, draft_vocab), runtime,
-                                               plain_seconds, lean),
-                                  settings={"depth": runtime.chain_depth, **vocab, **gate}))
         elif name == "eagle_tree":
             tree, initial_tau = {"top_k": runtime.tree_top_k, "depth": runtime.tree_depth, **vocab}, 2.0
             total = _fixed_tree_total_tokens(runtime)
@@ -174,6 +165,11 @@ def build_methods(names: Sequence[str], runtime: RuntimeConfig, lean: LeanLlama,
                                                runtime, plain_seconds, lean),
                                   verification, settings={"tree_nodes": len(choices), "choices": runtime.medusa_choices,
                                                           **vocab, **gate}))
+        else:  # the head kind's chain (eval.runtime.drafters.kinds): eagle_chain, and a new kind's drafter as it is
+            chain = kind_drafters(head).chain
+            methods.append(Method(name, _gated(lambda chain=chain: chain(head, lean, runtime.chain_depth, draft_vocab), runtime,
+                                               plain_seconds, lean),
+                                  settings={"depth": runtime.chain_depth, **vocab, **gate}))
     return methods, extra
 
 

@@ -74,20 +74,20 @@ def load_eval_head(folder: str | os.PathLike, target, strict_fingerprint: bool =
 def select_drafters(names: Sequence[str], head) -> list[str]:
     """The configured drafters that can run with `head`: a head drafter only when the head is of
     its kind; without a head, the head-free drafters take the head drafters' place."""
-    from eval.run import HEAD_DRAFTERS
+    from eval.runtime.drafters.kinds import drafters_for, head_drafters
 
     if head is None:
-        kept = [name for name in names if name not in HEAD_DRAFTERS]
+        kept = [name for name in names if name not in head_drafters()]
         if len(kept) < len(names):
             kept += [name for name in HEAD_FREE if name not in kept]
             log.info("no head: running head-free drafters only: %s", kept)
         return kept
-    kept = [name for name in names if name not in HEAD_DRAFTERS or isinstance(head, HEAD_DRAFTERS[name])]
+    fits = drafters_for(head)
+    kept = [name for name in names if name not in head_drafters() or name in fits]
     dropped = [name for name in names if name not in kept]
     if not kept:  # only the plain baseline would run: a report without the head it was asked to measure
-        fits = [name for name, kinds in HEAD_DRAFTERS.items() if isinstance(head, kinds)]
         raise ValueError(f"runtime.drafters={list(names)}: none of them runs a {type(head).__name__} head; "
-                         f"use runtime.drafters={fits}")
+                         f"use runtime.drafters={list(fits)}")
     if dropped:
         log.info("drafters %s do not run a %s head; measuring %s", dropped, type(head).__name__, kept)
     return kept

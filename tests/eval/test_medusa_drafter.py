@@ -6,8 +6,8 @@ from eval.acceptance import measure_rank_accuracies, walk_tree_acceptance
 from eval.runtime.drafters import DraftState
 from eval.runtime.drafters.medusa import MedusaDrafter
 from eval.runtime.generate import plain_generate, speculative_generate
-from eval.runtime.medusa_trees import (MC_SIM_7B_63, build_tree_from_accuracies, choices_to_parents, expected_acceptance,
-                               normalize_choices, parse_choices)
+from eval.runtime.medusa_trees import (MC_SIM_7B_63, build_tree_from_accuracies, choices_to_parents,
+                                       expected_acceptance, normalize_choices, parse_choices)
 from eval.runtime.model import LeanLlama
 from eval.runtime.sampling import SamplingConfig
 from heads.medusa import MedusaConfig, MedusaHeads
