@@ -1,7 +1,8 @@
 """End to end through `speculative_generate`: with temperature 1 the first tokens of speculative
 sampling follow the target's exact distribution (enumerated on a 4-token vocabulary), for sampled
 chain drafts from a truncated draft model, for a deterministic tree stub, for an EAGLE-3 head
-drafting over 3 of the 4 tokens (sampled chain and EAGLE-2 tree, ids mapped through d2t), and for
+drafting over 3 of the 4 tokens (sampled chain and EAGLE-2 tree, ids mapped through d2t), for a
+P-EAGLE head's sampled chain from one pass (the same draft vocabulary), and for
 the tree stub behind the fallback gate switching between plain and speculative steps mid-sequence.
 Chi-square at 0.001; an EAGLE-3 drafter that reports its draft distribution without the d2t map
 fails the same test. The verification rule itself is tested more thoroughly (and against a broken
@@ -17,10 +18,12 @@ from eval.runtime.drafters import Candidates
 from eval.runtime.drafters.adaptive import FallbackDrafter, SpeculationGate
 from eval.runtime.drafters.draft_model import DynamicGamma, self_speculation_drafter
 from eval.runtime.drafters.eagle import EagleDrafter
+from eval.runtime.drafters.peagle import PeagleDrafter
 from eval.runtime.generate import speculative_generate
 from eval.runtime.model import LeanLlama
 from eval.runtime.sampling import SamplingConfig
 from heads.eagle3 import Eagle3Config, Eagle3Head, set_draft_vocab
+from heads.peagle import PeagleConfig, PeagleHead
 from tests.helpers import chi_square_p_value
 from tests.tiny import tiny_model
 
@@ -77,7 +80,19 @@ def _eagle3_head() -> Eagle3Head:
     return head.eval()
 
 
+def _peagle_head() -> PeagleHead:
+    """`_eagle3_head`'s weights with a mask_hidden: 2 tokens per pass over target ids 0, 2, 3."""
+    eagle3 = _eagle3_head()
+    head = PeagleHead(PeagleConfig(**eagle3.config.to_dict(), speculative_tokens=2, mask_token_id=3))
+    with torch.no_grad():
+        head.mask_hidden.normal_(0.0, 1.0)
+    head.load_state_dict({**eagle3.state_dict(), "mask_hidden": head.mask_hidden.detach()})
+    return head.eval()
+
+
 def _drafter(name: str, lean: LeanLlama):
+    if name == "peagle_sampled_chain":
+        return PeagleDrafter(_peagle_head(), lean)
     if name == "sampled_chain":
         return self_speculation_drafter(lean, 1, DynamicGamma(max_gamma=2, adaptive=False))
     if name == "deterministic_tree":
@@ -104,7 +119,7 @@ def _sample_counts(lean, drafter_name: str, prompt) -> dict:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("drafter_name", ["sampled_chain", "deterministic_tree", "eagle3_sampled_chain", "eagle3_tree",
-                                          "eagle3_argmax_chain"])
+                                          "eagle3_argmax_chain", "peagle_sampled_chain"])
 def test_speculative_sampling_matches_exact_distribution(drafter_name):
     lean = _peaked_lean()
     prompt = torch.tensor([1, 3, 2])

@@ -4,7 +4,8 @@ lossless (plus that the same test catches a broken sampler).
 The statistical test uses a tiny "model" given by a table: p(x | prefix) over a 3-token vocabulary,
 so the exact distribution of the first 3 generated tokens (27 outcomes) can be enumerated.
 Speculative steps (chains and trees, sampled and deterministic drafts from a different table q,
-also with q confined to a draft vocabulary smaller than the target's, as EAGLE-3's d2t makes it)
+also with q confined to a draft vocabulary smaller than the target's, as EAGLE-3's d2t makes it,
+and P-EAGLE's parallel chains, whose drafts do not condition on each other)
 are run until 3 tokens exist; the empirical counts are compared to the exact distribution with a
 chi-square test at significance 0.001 (seeds fixed, so the outcome is reproducible).
 """
@@ -48,6 +49,17 @@ class DraftVocabModel:
         return dist / dist.sum()
 
 
+class ParallelDraftModel:
+    """P-EAGLE's drafts: the distribution of the draft d steps past the committed prefix depends on
+    that prefix and d only, never on the tokens drafted before it (`committed` is set per step)."""
+
+    def __init__(self, q: TableModel):
+        self.q, self.committed = q, ()
+
+    def __call__(self, prefix: tuple) -> torch.Tensor:
+        return self.q(self.committed + (-1 - (len(prefix) - len(self.committed)),))  # a slot marker, not a token
+
+
 def exact_distribution(p: TableModel) -> dict:
     out = {}
     for seq in itertools.product(range(VOCAB), repeat=LENGTH):
@@ -85,6 +97,8 @@ _tree = functools.lru_cache(maxsize=None)(build_tree)
 def speculative_sequence(p, q, shape, sampled, verify, generator) -> tuple:
     seq = ()
     while len(seq) < LENGTH:
+        if isinstance(q, ParallelDraftModel):
+            q.committed = seq
         parents, tokens, rows, paths = draft_tree(q, seq, shape, sampled, generator)
         tree = _tree(tuple(parents))
         target = torch.stack([p(paths[i]) for i in range(len(tokens))])
@@ -93,10 +107,12 @@ def speculative_sequence(p, q, shape, sampled, verify, generator) -> tuple:
     return seq[:LENGTH]
 
 
-def run_sampler(verify, shape, sampled, draft_vocab=None, seed=0) -> float:
+def run_sampler(verify, shape, sampled, draft_vocab=None, parallel=False, seed=0) -> float:
     p, q = TableModel(seed=1), TableModel(seed=2, concentration=0.7)
     if draft_vocab is not None:
         q = DraftVocabModel(q, draft_vocab)
+    if parallel:
+        q = ParallelDraftModel(q)
     generator = torch.Generator().manual_seed(seed)
     counts: dict = {}
     for _ in range(SAMPLES):
@@ -131,6 +147,9 @@ CASES = {
     # Token 1 is outside the draft vocabulary: q(1) = 0, it is only ever reached through the residual.
     "chain_sampled_draft_vocab": ([1, 1], True, [0, 2]),
     "tree_deterministic_topk_draft_vocab": ([2, 1], False, [0, 2]),
+    # P-EAGLE: a chain whose every draft comes from its slot's distribution, drawn in one pass.
+    "parallel_chain_sampled": ([1, 1], True, None, True),
+    "parallel_chain_sampled_draft_vocab": ([1, 1], True, [0, 2], True),
 }
 
 
@@ -139,7 +158,8 @@ def test_rejection_sampling_is_lossless(case):
     assert run_sampler(verify_sampled, *CASES[case]) > SIGNIFICANCE
 
 
-@pytest.mark.parametrize("case", ["chain_sampled", "tree_deterministic_topk", "chain_sampled_draft_vocab"])
+@pytest.mark.parametrize("case", ["chain_sampled", "tree_deterministic_topk", "chain_sampled_draft_vocab",
+                                  "parallel_chain_sampled"])
 def test_broken_sampler_fails_the_same_test(case):
     assert run_sampler(broken_verify, *CASES[case]) < SIGNIFICANCE
 

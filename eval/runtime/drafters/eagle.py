@@ -47,6 +47,8 @@ class EagleDrafter:
     greedy_drafts: a chain drafts its argmax tokens at a temperature too (verified as one-hot
     drafts, still lossless), as vLLM's default `draft_sample_method: greedy` does."""
 
+    lean_head = LeanEagleHead  # the head's lean runtime (a subclass may extend it)
+
     def __init__(self, head: EagleHead | Eagle3Head, lean: LeanLlama, mode: str = "tree", depth: int = 4,
                  top_k: int = 4, total_tokens: int = 16, draft_vocab: torch.Tensor | None = None,
                  greedy_drafts: bool = False):
@@ -60,7 +62,7 @@ class EagleDrafter:
         self.greedy_drafts = greedy_drafts
         self.dtype = next(head.parameters()).dtype
         lm_head = None if isinstance(head, Eagle3Head) else lean.lm_head
-        self.runtime = LeanEagleHead(head, capacity=lean.config.max_seq_len, lm_head=lm_head, draft_vocab=draft_vocab)
+        self.runtime = self.lean_head(head, capacity=lean.config.max_seq_len, lm_head=lm_head, draft_vocab=draft_vocab)
         self.feature_layers = self.runtime.feature_layers
         self.vocab = self.runtime.vocab  # (Vd,) target ids of the draft logits' columns, or None
         self.catch_up_output: torch.Tensor | None = None
