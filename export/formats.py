@@ -69,26 +69,26 @@ class NativeFormat:
         return {}
 
 
+# Every layout, one line each: the names, and each head kind's engine layouts (its `head_type`, in
+# this order), derive from it. A new kind's layout is its file in export/ plus one line here.
+FORMATS: dict[str, Format] = {layout.name: layout for layout in (
+    NativeFormat(),
+    EagleFormat("sglang"), EagleFormat("vllm"),
+    Eagle3Format("sglang"), Eagle3Format("vllm"), SpeculatorsFormat(),
+    MedusaFormat(), MedusaVllmFormat(),
+    PeagleSpeculatorsFormat(),
+    DflashFormat(),
+)}
+FORMAT_NAMES = tuple(FORMATS)
+ENGINE_FORMATS = {kind: tuple(name for name, layout in FORMATS.items() if layout.head_type == kind)
+                  for kind in dict.fromkeys(layout.head_type for layout in FORMATS.values()) if kind != "any"}
+
+
 def get_format(name: str) -> Format:
     """The format object for one of FORMAT_NAMES."""
-    formats = {"native": NativeFormat(), "eagle": EagleFormat("sglang"), "eagle_vllm": EagleFormat("vllm"),
-               "eagle3": Eagle3Format("sglang"), "eagle3_vllm": Eagle3Format("vllm"),
-               "speculators": SpeculatorsFormat(), "medusa": MedusaFormat(), "medusa_vllm": MedusaVllmFormat(),
-               "speculators_peagle": PeagleSpeculatorsFormat()}
-    formats["speculators_dflash"] = DflashFormat()
-    if name not in formats:
-        raise ExportError(f"format={name!r} is not one of {sorted(formats)} (or 'engine')")
-    return formats[name]
-
-
-FORMAT_NAMES = ("native", "eagle", "eagle_vllm", "eagle3", "eagle3_vllm", "speculators", "medusa", "medusa_vllm",
-                "speculators_peagle")
-ENGINE_FORMATS = {"eagle": ("eagle", "eagle_vllm"), "eagle3": ("eagle3", "eagle3_vllm", "speculators"),
-                  "medusa": ("medusa", "medusa_vllm"), "peagle": ("speculators_peagle",)}
-
-
-# DFlash: the speculators layout, the one engine layout of its kind
-FORMAT_NAMES, ENGINE_FORMATS["dflash"] = (*FORMAT_NAMES, "speculators_dflash"), ("speculators_dflash",)
+    if name not in FORMATS:
+        raise ExportError(f"format={name!r} is not one of {sorted(FORMATS)} (or 'engine')")
+    return FORMATS[name]
 
 
 def resolve_formats(formats: list[str] | tuple[str, ...], kind: str) -> list[str]:
