@@ -125,7 +125,8 @@ def check(route: str, export: Path, inputs_file: Path, verifier: str, work: Path
     report["verifier_in_file"] = named
     report["attention"] = model.config.transformer_layer_config._attn_implementation
     report["aux_layer_ids_loaded"] = list(model.config.eagle_aux_hidden_state_layer_ids or [])
-    report["norm_before_residual_loaded"] = bool(model.config.norm_before_residual)
+    for flag in ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output"):
+        report[f"{flag}_loaded"] = bool(getattr(model.config, flag))
     files = read_tensors(folder / "model.safetensors")
     report.update(audit(model, files))
     # The draft reads the target's embedding (rounded to the file's dtype when the file has a

@@ -49,14 +49,14 @@ def verifier_folder(target) -> str:
     return path
 
 
-def random_head(target, norm_before_residual: bool, seed: int, draft_vocab_size: int = 4096):
+def random_head(target, norm_before_residual: bool, seed: int, draft_vocab_size: int = 4096, **options):
     """An EAGLE-3 head as training starts it (lm_head rows and final norm from the target, over a
-    random sorted draft vocabulary), with its three layer norms randomised so that a loader that
-    swapped two of them would show."""
+    random sorted draft vocabulary), with its three layer norms (and fc's input norms, under the
+    EAGLE-3.1 `options`) randomised so that a loader that swapped or skipped one would show."""
     from heads.eagle3 import Eagle3Config, Eagle3Head, init_from_target
 
     config = Eagle3Config.from_target(target, draft_vocab_size=draft_vocab_size,
-                                      norm_before_residual=norm_before_residual)
+                                      norm_before_residual=norm_before_residual, **options)
     torch.manual_seed(seed)
     head = Eagle3Head(config)
     generator = torch.Generator().manual_seed(seed)
@@ -64,6 +64,9 @@ def random_head(target, norm_before_residual: bool, seed: int, draft_vocab_size:
     with torch.no_grad():
         for name in ("input_layernorm", "hidden_norm", "post_attention_layernorm"):
             getattr(head.midlayer, name).weight.normal_(1.0, 0.2, generator=generator)
+        for name, weight in head.named_parameters():
+            if name.startswith(("input_norm.", "fc_norm.")):
+                weight.normal_(1.0, 0.2, generator=generator)
     return head.eval(), config
 
 
@@ -71,7 +74,7 @@ def random_head(target, norm_before_residual: bool, seed: int, draft_vocab_size:
 def ttt_inputs(head, target, embedding: torch.Tensor, steps: int, text: str = TEXT) -> dict[str, torch.Tensor]:
     """The head's own logits for `steps` training-time-test steps, as speculators runs them:
     step k reads the next tokens shifted k left (zero-padded), the previous step's output as
-    hidden, positions + k, and attends to the causal step-0 prefix plus itself at earlier steps.
+    hidden (normed under norm_output), positions + k, and attends to the causal step-0 prefix plus itself at earlier steps.
     `embedding` (V, D): the one the draft reads (the export's copy of the target's)."""
     tokens = torch.tensor([target.tokenizer(text)["input_ids"]])
     ids, following = tokens[:, :-1], tokens[:, 1:]
@@ -86,7 +89,7 @@ def ttt_inputs(head, target, embedding: torch.Tensor, steps: int, text: str = TE
         mask = torch.cat([causal, *[eye] * k], dim=1)[None, None]  # (1, 1, T, (k+1)T)
         out, past = head(embedding[current].float(), hidden, positions + k, mask, past, use_cache=True)
         logits.append(head.logits(out))
-        hidden = out
+        hidden = head.feedback(out)
         current = torch.cat([following[:, k + 1:], following.new_zeros(1, k + 1)], dim=1)
     return {"hidden_states": aux.contiguous(), "input_ids": following.contiguous(),
             "position_ids": positions.contiguous(), "logits": torch.stack(logits).contiguous()}
@@ -118,27 +121,40 @@ def run_check(python: Path, cases: list[tuple[str, Path, Path]], verifier: str, 
     return json.loads(run.stdout.strip().splitlines()[-1])
 
 
+# EAGLE-3.1 heads (folder name -> options), loaded the speculators route only: SGLang's layout has no
+# place for the options.
+EAGLE31_CASES = {"speculators-norm_before_fc": {"norm_before_fc": True, "norm_output": True},
+                 "speculators-fc_norm": {"fc_norm": True}}
+
+
 def compare(target, out: Path, steps: int = 3, dtype: str = "bfloat16", head_and_config=None,
-            verifier: str | None = None, python: Path | None = None, with_renamed_key: bool = False) -> dict:
-    """Export, compute our logits from the exported files (what a user ships), run the check."""
+            verifier: str | None = None, python: Path | None = None, with_renamed_key: bool = False,
+            with_eagle31: bool = False) -> dict:
+    """Export, compute our logits from the exported files (what a user ships), run the check.
+    Cases come in the order speculators, eagle3, then (with_eagle31) EAGLE31_CASES, then the
+    renamed key."""
     from safetensors import safe_open
     from safetensors.torch import save_file
 
     from export import export_head, load_export
 
     out.mkdir(parents=True, exist_ok=True)
-    if head_and_config is None:
-        heads = {"speculators": random_head(target, norm_before_residual=True, seed=0),
-                 "eagle3": random_head(target, norm_before_residual=False, seed=1)}
-    else:  # SGLang's layout cannot hold norm_before_residual: such a head goes the speculators route only
-        heads = {"speculators": head_and_config}
-        if not head_and_config[1].norm_before_residual:
-            heads["eagle3"] = head_and_config
+    if head_and_config is None:  # folder name -> (route, head and config)
+        heads = {"speculators": ("speculators", random_head(target, norm_before_residual=True, seed=0)),
+                 "eagle3": ("eagle3", random_head(target, norm_before_residual=False, seed=1))}
+        if with_eagle31:
+            heads.update({name: ("speculators", random_head(target, norm_before_residual=True, seed=2 + i, **options))
+                          for i, (name, options) in enumerate(EAGLE31_CASES.items())})
+    else:  # SGLang's layout cannot hold norm_before_residual or the 3.1 options: those go the speculators route only
+        heads = {"speculators": ("speculators", head_and_config)}
+        c = head_and_config[1]
+        if not (c.norm_before_residual or c.norm_before_fc or c.fc_norm or c.norm_output):
+            heads["eagle3"] = ("eagle3", head_and_config)
     cases = []
-    for route, (head, config) in heads.items():
-        folder = export_head(head, config, route, out / route, target, dtype)
+    for name, (route, (head, config)) in heads.items():
+        folder = export_head(head, config, route, out / name, target, dtype)
         loaded, _, _ = load_export(folder, target, dtype="float32")
-        inputs = out / f"{route}-inputs.safetensors"
+        inputs = out / f"{name}-inputs.safetensors"
         with safe_open(str(folder / "model.safetensors"), "pt") as handle:
             embedding = handle.get_tensor("embed_tokens.weight").float()
         save_file(ttt_inputs(loaded.eval(), target, embedding, steps), str(inputs))
