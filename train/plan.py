@@ -27,7 +27,7 @@ SHAREGPT_MEAN_TOKENS = 1_790
 DEFAULT_RECORDS = 68_000
 # Vocabulary-sized fp32 tensors alive per token in the loss (logits, softmax, gradient); EAGLE-3:
 # per unrolled step over the draft vocabulary, plus the teacher's logits held once.
-_VOCAB_TENSORS = {"eagle": 5, "medusa": 3, "eagle3": 3}
+_VOCAB_TENSORS = {"eagle": 5, "medusa": 3, "eagle3": 3, "peagle": 3}
 # Hidden-sized tensors a decoder layer keeps for backward, per token (rough, flash attention).
 _LAYER_ACTIVATIONS = 34
 
@@ -115,12 +115,13 @@ def head_parameter_counts(job: JobConfig) -> tuple[int, int]:
     D, I, V = arch.hidden_size, arch.intermediate_size, arch.vocab_size
     if job.heads.type == "dflash":
         return _dflash_parameters(job)
-    if job.heads.type == "eagle3":
+    if job.heads.type in ("eagle3", "peagle"):  # P-EAGLE adds mask_hidden [1, 1, n·D] to EAGLE-3's weights
         head_dim = D // arch.num_attention_heads
         qkv = 2 * D * (arch.num_attention_heads + 2 * arch.num_key_value_heads) * head_dim  # reads 2D columns
         attention = qkv + arch.num_attention_heads * head_dim * D
         fc = aux_layer_count(job) * D * D
-        return fc + attention + 3 * D * I + 4 * D + draft_vocab(job) * D, 2 * V * D
+        mask_hidden = aux_layer_count(job) * D if job.heads.type == "peagle" else 0
+        return fc + mask_hidden + attention + 3 * D * I + 4 * D + draft_vocab(job) * D, 2 * V * D
     if job.heads.type == "eagle":
         head_dim = D // arch.num_attention_heads
         attention = 2 * D * arch.num_attention_heads * head_dim + 2 * D * arch.num_key_value_heads * head_dim
@@ -167,12 +168,13 @@ def _dflash_activations(job: JobConfig, dtype_bytes: int) -> list[Item]:
 def feature_layers(job: JobConfig) -> int:
     """How many target hidden-state layers the head reads (EAGLE-1 and Medusa: the last one;
     EAGLE-3: its aux streams plus the final state its teacher's logits come from)."""
-    return aux_layer_count(job) + 1 if job.heads.type in ("eagle3", "dflash") else 1
+    return aux_layer_count(job) + 1 if job.heads.type in ("eagle3", "dflash", "peagle") else 1
 
 
 def aux_layer_count(job: JobConfig) -> int:
     """EAGLE-3's aux streams (three by default: [2, L//2, L-3])."""
-    ids = job.heads.dflash.aux_layer_ids if job.heads.type == "dflash" else job.heads.eagle3.aux_layer_ids
+    options = {"dflash": job.heads.dflash, "peagle": job.heads.peagle}.get(job.heads.type, job.heads.eagle3)
+    ids = options.aux_layer_ids
     return 3 if ids is None else len(ids)
 
 
@@ -181,6 +183,14 @@ def draft_vocab(job: JobConfig) -> int:
     size = job.heads.draft_vocab_size
     V = job.model.arch.vocab_size
     return min(size, V) if size else V
+
+
+def peagle_rows_per_token(job: JobConfig) -> float:
+    """Rows P-EAGLE runs per token of a sequence of data.max_length: every depth-0 row, plus the
+    COD draw's mask rows, sum over d >= 1 of max(ratio**d, ratio_min) of at most max_anchors seeds."""
+    o, T = job.heads.peagle, job.data.max_length
+    kept = sum(max(o.down_sample_ratio**d, o.down_sample_ratio_min) for d in range(1, o.speculative_tokens))
+    return 1 + kept * min(T, o.max_anchors) / T
 
 
 def estimate_records(job: JobConfig) -> tuple[int, bool]:
@@ -283,12 +293,19 @@ def _head_items(job: JobConfig, world: int, dtype_bytes: int) -> list[Item]:
     if job.heads.type == "eagle3":  # every unrolled step keeps a layer's activations and its Vd logits
         steps = job.heads.eagle3.ttt_steps
         head_layers, vocab_bytes = steps, (_VOCAB_TENSORS["eagle3"] * steps + 1) * draft_vocab(job) * 4
+    elif job.heads.type == "peagle":  # one layer over the depth-0 rows and the COD mask rows, all scored
+        rows = peagle_rows_per_token(job)
+        head_layers, vocab_bytes = rows, (_VOCAB_TENSORS["peagle"] * rows + 1) * draft_vocab(job) * 4
     else:
         vocab_tensors = _VOCAB_TENSORS[job.heads.type] * (job.heads.medusa.num_heads if job.heads.type == "medusa" else 1)
         head_layers = 1 if job.heads.type == "eagle" else job.heads.medusa.num_layers
         vocab_bytes = vocab_tensors * arch.vocab_size * 4
     per_token = _LAYER_ACTIVATIONS * arch.hidden_size * head_layers * dtype_bytes + vocab_bytes
     items.append(Item("activations", B * T * per_token / GB, f"estimate, micro-batch {B} x {T} tokens"))
+    if job.heads.type == "peagle":  # the mask rows' dense block mask and their fp32 attention scores
+        M = (peagle_rows_per_token(job) - 1) * T
+        items.append(Item("block attention", B * M * (T + M) * (1 + 4 * arch.num_attention_heads) / GB,
+                          f"estimate, dense: {M:,.0f} mask rows x {T + M:,.0f} keys per sequence"))
     return items
 
 
@@ -353,7 +370,7 @@ def make_plan(job: JobConfig, num_records: int | None = None, tokens_per_record:
             layer_gb = decoder_layer_parameter_count(arch) * dtype_bytes / GB
             training.insert(1, Item("target decoder layers", count * layer_gb,
                                     f"{count} of {arch.num_hidden_layers}: layer 0's shape, heads.eagle.init_layer's weights"))
-        elif job.heads.type in ("eagle3", "dflash"):
+        elif job.heads.type in ("eagle3", "dflash", "peagle"):
             layer_gb = decoder_layer_parameter_count(arch) * dtype_bytes / GB
             training.insert(1, Item("target decoder layers", layer_gb, f"1 of {arch.num_hidden_layers}: layer 0's shape"))
     if offline:
@@ -391,7 +408,7 @@ def make_plan(job: JobConfig, num_records: int | None = None, tokens_per_record:
     tokens = num_records * tokens_per_record
     if offline:
         plan.extraction_hours = 2 * plan.target_parameters * tokens / (ds.num_gpus // span * ds.num_nodes * tflops) / 3600
-    unrolled = job.heads.eagle3.ttt_steps if job.heads.type == "eagle3" else 1
+    unrolled = {"eagle3": job.heads.eagle3.ttt_steps, "peagle": peagle_rows_per_token(job)}.get(job.heads.type, 1)
     step = 6 * trainable * unrolled * global_batch * tokens_per_record
     if job.heads.type == "dflash":  # the head runs on its block rows, not on the sequence
         step = 6 * trainable * global_batch * dflash_queries(job, tokens_per_record)

@@ -171,3 +171,19 @@ def test_the_loop_trains_and_saves_a_peagle_head(tmp_path):
     assert "train/top1_step2" in set().union(*(r for r in rows if "train/loss" in r))
     head, config, _ = load_head(result.last_checkpoint, target)
     assert isinstance(head, PeagleHead) and config.draft_vocab_size == 64 and config.speculative_tokens == 3
+
+
+def test_the_dry_run_plans_a_big_peagle_job():
+    from train.__main__ import compose_job
+    from train.plan import format_plan, head_parameter_counts, make_plan, peagle_rows_per_token
+
+    peagle = compose_job(["+recipe=eagle_llama3_8b", "heads=peagle", "runtime.drafters=[prompt_lookup]"])
+    eagle3 = compose_job(["+recipe=eagle_llama3_8b"])
+    assert peagle.heads.type == "peagle" and peagle.trainer.learning_rate == 1e-4
+    assert head_parameter_counts(peagle)[0] == head_parameter_counts(eagle3)[0] + 3 * 4096  # + mask_hidden
+    # T = 2048, 512 seeds: 512 x (0.7 + 0.49 + 0.343 + 0.2401 + 0.2 x 3) mask rows
+    assert peagle_rows_per_token(peagle) == pytest.approx(1 + 512 * 2.3731 / 2048)
+    plan = make_plan(peagle, num_records=1000, tokens_per_record=1000.0)
+    assert plan.cache_layers == 4 and plan.cache_bytes > 0
+    assert any(item.name == "block attention" for item in plan.training)
+    assert "feature cache on disk" in format_plan(plan)
