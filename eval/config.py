@@ -27,7 +27,7 @@ class RuntimeConfig:
     tree_top_k: int = 4  # EAGLE-2 expansion width
     tree_depth: int = 4
     # Tokens per verification, root included: an int, or "auto" = chosen at start from this machine's
-    # measured verification-cost curve and the head's acceptance per budget (eval.run.choose_tree_budget).
+    # measured verification-cost curve and the head's acceptance per budget (eval.calibrate.choose_tree_budget).
     tree_total_tokens: Any = 16
     tree_auto_sizes: list[int] = field(default_factory=lambda: [2, 3, 4, 6, 8, 12, 16, 24, 32])  # "auto" candidates
     medusa_choices: str = "auto"  # auto (from measured head accuracies) | mc_sim_7b_63 | JSON list
