@@ -10,6 +10,7 @@ from eval.runtime.generate import plain_generate, speculative_generate
 from eval.runtime.model import LeanLlama
 from heads.config import HeadsConfig
 from heads.medusa import MedusaConfig, MedusaHeads
+from heads.peagle import PeagleConfig, PeagleHead
 from tests.tiny import tiny_eagle3_setup, tiny_eagle_setup, tiny_target
 
 
@@ -20,8 +21,16 @@ def _medusa_setup():
     return target, lean, MedusaHeads(MedusaConfig.from_target(target, num_heads=3)).eval()
 
 
+def _peagle_setup():
+    """tiny_eagle3_setup's head with a mask_hidden: slot 0 agrees with the target most of the time."""
+    target, lean, eagle3 = tiny_eagle3_setup(max_seq_len=128)
+    head = PeagleHead(PeagleConfig(**eagle3.config.to_dict(), speculative_tokens=4))
+    head.load_state_dict({**eagle3.state_dict(), "mask_hidden": head.mask_hidden.detach()})
+    return target, lean, head.eval()
+
+
 SETUPS = {"eagle": lambda: tiny_eagle_setup(max_seq_len=128), "eagle3": lambda: tiny_eagle3_setup(max_seq_len=128),
-          "medusa": _medusa_setup}
+          "medusa": _medusa_setup, "peagle": _peagle_setup}
 
 
 @pytest.mark.parametrize("kind", sorted(SETUPS))

@@ -18,6 +18,7 @@ from torch import nn
 from eval.runtime.drafters import Drafter
 from eval.runtime.drafters.eagle import EagleDrafter
 from eval.runtime.drafters.medusa import MedusaDrafter
+from eval.runtime.drafters.peagle import peagle_chain
 from eval.runtime.model import LeanLlama
 from heads.io import head_type
 
@@ -51,6 +52,7 @@ KIND_DRAFTERS: dict[str, KindDrafters] = {
     "eagle": KindDrafters(("eagle_tree", "eagle_chain"), eagle_chain),
     "eagle3": KindDrafters(("eagle_tree", "eagle_chain"), eagle_chain),
     "medusa": KindDrafters(("medusa",), medusa_chain),
+    "peagle": KindDrafters(("peagle_chain",), peagle_chain),
 }
 
 

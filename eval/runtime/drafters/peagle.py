@@ -85,3 +85,10 @@ class PeagleDrafter(EagleDrafter):
         q = probabilities(logits, state.sampling)  # (depth, Vd)
         tokens = [int(self._token_ids(torch.tensor(sample(row, state.generator)))) for row in q]
         return Candidates.chain(tokens, torch.stack([self._full_distribution(row) for row in q]), deterministic=False)
+
+
+def peagle_chain(head: PeagleHead, lean: LeanLlama, depth: int, draft_vocab: torch.Tensor | None = None,
+                 greedy_drafts: bool = False) -> PeagleDrafter:
+    """The kind's chain (eval/runtime/drafters/kinds.py): `depth` drafts, at most the head's K; the
+    head drafts over its own vocabulary (d2t), so `draft_vocab` is not used."""
+    return PeagleDrafter(head, lean, min(depth, head.config.speculative_tokens), greedy_drafts)
