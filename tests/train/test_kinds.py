@@ -1,5 +1,6 @@
 """Head kinds: the loop reaches every kind-specific piece through the HeadKind protocol."""
 import json
+import re
 from collections import Counter
 
 import pytest
@@ -36,7 +37,7 @@ class Recording:
         return self.inner.eval_rows
 
 
-@pytest.mark.parametrize("kind", ["eagle", "eagle3", "medusa"])
+@pytest.mark.parametrize("kind", ["eagle", "eagle3", "medusa", "peagle"])
 def test_the_loop_runs_each_kind_through_the_protocol(tmp_path, monkeypatch, kind):
     made = []
     real = dict(kinds_module.KINDS)
@@ -44,6 +45,8 @@ def test_the_loop_runs_each_kind_through_the_protocol(tmp_path, monkeypatch, kin
     job = tiny_job(tmp_path, kind, max_steps=2, eval_every=2, save_every=2, grad_accumulation=2)
     if kind == "eagle":
         job.heads.eagle.init_fc, job.heads.eagle.ridge_tokens = "ridge", 100
+    if kind == "peagle":  # the tiny target has 2 layers, as for EAGLE-3
+        job.heads.peagle.aux_layer_ids, job.heads.peagle.speculative_tokens = [0, 1, 1], 3
     result = train_heads(job, tiny_target(), tiny_data())
     calls = made[0].calls
     assert calls["build"] == 1 and calls["param_groups"] == 1 and calls["prepare"] == 1
@@ -106,7 +109,9 @@ def test_the_loop_refuses_a_source_for_other_layers(tmp_path):
 def test_head_kind_names_the_allowed_types():
     job = tiny_job("x")
     job.heads.type = "nope"
-    with pytest.raises(ValueError, match=r"heads.type='nope' is not one of \['eagle', 'eagle3', 'medusa'\]"):
+    allowed = ", ".join(repr(name) for name in sorted(kinds_module.KINDS))
+    assert {"eagle", "eagle3", "medusa", "peagle"} <= set(kinds_module.KINDS)
+    with pytest.raises(ValueError, match=re.escape(f"heads.type='nope' is not one of [{allowed}]")):
         head_kind(job.heads)
     eagle = EagleKind(job.heads.eagle)
     job.heads.eagle.init_layer = -1
