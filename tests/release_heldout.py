@@ -2,6 +2,7 @@
 
     python -m tests.release_heldout make [NAME ...]    # rebuild tests/assets/goldens/<RELEASES[NAME] file>
     python -m tests.release_heldout check [NAME ...]   # evaluate each release head on it, beside its manifest
+    python -m tests.release_heldout dtypes [NAME ...]  # the same with the target's features in fp32 and in bf16
 
 A release head (heads/release/NAME) was trained by the recipe its manifest names
 (`training.recipe`, with the data overrides of its training command, RELEASES[NAME]): the first
@@ -83,9 +84,11 @@ def make_held_out(target, name: str) -> Path:
     return path
 
 
-def evaluate_release(target, name: str, cache_dir: Path | None = None) -> tuple[dict, dict]:
+def evaluate_release(target, name: str, cache_dir: Path | None = None, features_target=None) -> tuple[dict, dict]:
     """(held-out figures of release head `name` on its held-out file, the figures its manifest records).
-    cache_dir: where the conversations' Arrow copy goes (default: the specheads cache)."""
+    cache_dir: where the conversations' Arrow copy goes (default: the specheads cache).
+    features_target: the target whose forward gives the features (default `target`; a bf16 copy
+    to see what bf16 features change), read as fp32."""
     from data.pipeline import tokenize_conversations
     from data.sources import load_conversations
     from export.validate import load_export
@@ -106,15 +109,38 @@ def evaluate_release(target, name: str, cache_dir: Path | None = None) -> tuple[
     pad = target.config.pad_token_id if target.config.pad_token_id is not None else 0
     batches = eval_batches(rows, job.trainer.batch_size, 1, 0, job.trainer.eval_batches, pad, target.device)
     figures = run_held_out(head.eval(), kind, FrozenParts.from_target(target),
-                           OnlineFeatures(target, kind.feature_layers(target.num_layers)), batches)
+                           OnlineFeatures(features_target or target, kind.feature_layers(target.num_layers),
+                                          torch.float32), batches)
     return figures, manifest["training"]["held_out"]
+
+
+def compare_feature_dtypes(target, name: str) -> dict:
+    """Held-out top-1 of release head `name` with the target's features computed in fp32 and in
+    bf16 (a bf16 copy of the target, the head in fp32), beside the held-out set's standard error
+    sqrt(p(1-p)/n) over its n positions."""
+    import copy
+    import math
+
+    bf16 = copy.deepcopy(target)
+    bf16.model.to(torch.bfloat16)
+    fp32_figures, _ = evaluate_release(target, name)
+    bf16_figures, _ = evaluate_release(target, name, features_target=bf16)
+    n = int(fp32_figures["eval/positions"])
+    rows = {}
+    for key in sorted(k for k in fp32_figures if k.startswith("eval/top1_")):
+        p = fp32_figures[key]
+        rows[key] = {"fp32": p, "bf16": bf16_figures[key], "diff": bf16_figures[key] - p,
+                     "standard_error": math.sqrt(max(p * (1 - p), 0.0) / n)}
+        print(f"{name} {key}: fp32 {p:.4f}, bf16 {bf16_figures[key]:.4f}, diff {rows[key]['diff']:+.4f}, "
+              f"held-out standard error {rows[key]['standard_error']:.4f} ({n} positions)", flush=True)
+    return rows
 
 
 def main() -> None:
     from heads.target import TargetConfig, load_target
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("command", choices=["make", "check"])
+    parser.add_argument("command", choices=["make", "check", "dtypes"])
     parser.add_argument("names", nargs="*", help=f"default: all of {sorted(RELEASES)}")
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args()
@@ -123,6 +149,9 @@ def main() -> None:
     for name in args.names or sorted(RELEASES):
         if args.command == "make":
             print(f"wrote {make_held_out(target, name)}")
+            continue
+        if args.command == "dtypes":
+            compare_feature_dtypes(target, name)
             continue
         fresh, recorded = evaluate_release(target, name)
         for key in sorted(recorded):
