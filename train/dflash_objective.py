@@ -168,7 +168,7 @@ class DflashKind:
     """DFlash: fc over several target streams as EAGLE-3, L_d decoder layers drafting a block of
     B-1 tokens in one forward over the target's vocabulary. Held-out row i is drafted token i."""
 
-    name, unit, drafters = "dflash", "step", ("dflash",)
+    name, unit, drafters = "dflash", "step", ("dflash_chain",)
 
     def __init__(self, options: DflashOptions):
         self.options = options

@@ -9,6 +9,7 @@ from eval.runtime.drafters.kinds import KIND_DRAFTERS, drafters_for, head_drafte
 from eval.runtime.generate import plain_generate, speculative_generate
 from eval.runtime.model import LeanLlama
 from heads.config import HeadsConfig
+from heads.dflash import DflashConfig, DflashHead
 from heads.medusa import MedusaConfig, MedusaHeads
 from heads.peagle import PeagleConfig, PeagleHead
 from tests.tiny import tiny_eagle3_setup, tiny_eagle_setup, tiny_target
@@ -29,8 +30,16 @@ def _peagle_setup():
     return target, lean, head.eval()
 
 
+def _dflash_setup():
+    torch.manual_seed(0)
+    target = tiny_target()
+    lean = LeanLlama.from_hf(target.model, max_seq_len=128)
+    return target, lean, DflashHead(DflashConfig.from_target(target, aux_layer_ids=[1, 0], block_size=5)).eval()
+
+
 SETUPS = {"eagle": lambda: tiny_eagle_setup(max_seq_len=128), "eagle3": lambda: tiny_eagle3_setup(max_seq_len=128),
           "medusa": _medusa_setup, "peagle": _peagle_setup}
+SETUPS["dflash"] = _dflash_setup
 
 
 @pytest.mark.parametrize("kind", sorted(SETUPS))

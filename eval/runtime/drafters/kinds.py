@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from eval.runtime.drafters import Drafter
+from eval.runtime.drafters.dflash import dflash_chain
 from eval.runtime.drafters.eagle import EagleDrafter
 from eval.runtime.drafters.medusa import MedusaDrafter
 from eval.runtime.drafters.peagle import peagle_chain
@@ -52,6 +53,7 @@ KIND_DRAFTERS: dict[str, KindDrafters] = {
     "eagle": KindDrafters(("eagle_tree", "eagle_chain"), eagle_chain),
     "eagle3": KindDrafters(("eagle_tree", "eagle_chain"), eagle_chain),
     "medusa": KindDrafters(("medusa",), medusa_chain),
+    "dflash": KindDrafters(("dflash_chain",), dflash_chain),
     "peagle": KindDrafters(("peagle_chain",), peagle_chain),
 }
 

@@ -1,0 +1,117 @@
+"""DFlash drafting (`heads.dflash.DflashHead`): a chain of up to B-1 tokens from one block forward.
+
+With T committed tokens (root x_{T-1}), the context is c_s = hidden_norm(fc(aux_s)) of positions
+s = 0..T-2, the ones in the target's cache (their aux streams come in `DraftState.new_features`).
+The block [x_{T-1}, mask x (B-1)] at positions T-1..T+B-2 attends to the whole context and to
+itself (both ways); slot j's output scores the draft x_{T-1+j}, so slots 1..depth give the chain.
+This is training's alignment with the root as anchor (train/dflash_objective.py).
+
+The context's K/V depend on c_s alone, so each layer's are computed once per committed position
+and kept (`cache_context`, the default), only ever from the target's true features of committed
+tokens: rejected drafts never enter it and nothing is rolled back. With cache_context=False every
+proposal recomputes them over the whole prefix, the simple reference the cached path is tested
+against.
+
+No slot reads a drafted token, so each draft comes from its slot's distribution alone: argmax when
+greedy, else sampled with that distribution reported, which the runtime's rejection sampling keeps
+lossless.
+"""
+from __future__ import annotations
+
+import torch
+
+from eval.runtime.drafters import Candidates, DraftState
+from eval.runtime.model import LeanLlama
+from eval.runtime.sampling import probabilities, sample
+from heads.dflash import DflashHead, block_tokens
+
+
+class DflashDrafter:
+    """depth: drafted tokens per proposal, 1..B-1 (default B-1). greedy_drafts: argmax drafts at
+    a temperature too (verified as one-hot drafts, still lossless)."""
+
+    def __init__(self, head: DflashHead, lean: LeanLlama, depth: int | None = None, greedy_drafts: bool = False,
+                 cache_context: bool = True):
+        if not isinstance(head, DflashHead):
+            raise ValueError(f"dflash drafter: needs a DflashHead, got {type(head).__name__}")
+        B = head.config.block_size
+        depth = B - 1 if depth is None else depth
+        if not 1 <= depth <= B - 1:
+            raise ValueError(f"dflash drafter: depth must lie in [1, {B - 1}] (block_size - 1), got {depth}")
+        if head.config.vocab_size != lean.config.vocab_size:
+            raise ValueError(f"dflash drafter: head vocabulary {head.config.vocab_size} != target's "
+                             f"{lean.config.vocab_size}")
+        self.head, self.lean, self.depth = head.eval(), lean, depth
+        self.greedy_drafts, self.cache_context = greedy_drafts, cache_context
+        self.feature_layers = tuple(head.config.aux_layer_ids)
+        parameter = next(head.parameters())
+        self.dtype, self.device = parameter.dtype, parameter.device
+        self.capacity = lean.config.max_seq_len
+        self.reset(None)
+
+    @property
+    def cache_length(self) -> int:
+        return self.length
+
+    def reset(self, prompt: torch.Tensor | None) -> None:
+        self.length = 0
+        self.kv: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # per layer (1, nKV, capacity, hd)
+        self.aux: list[torch.Tensor] = []  # cache_context=False: every committed position's aux streams
+
+    def _committed_aux(self, state: DraftState) -> torch.Tensor:
+        """(A, n·Ht) the aux streams of tokens[T-1-A : T-1], concatenated in fc's order."""
+        layers = [layer % (state.num_layers + 1) for layer in self.feature_layers]
+        return torch.cat([state.new_features[layer] for layer in layers], dim=-1).to(self.device, self.dtype)
+
+    def _context_kv(self, aux: torch.Tensor, start: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        positions = torch.arange(start, start + aux.shape[0], device=self.device)[None]
+        return self.head.context_kv(self.head.project(aux[None]), positions)
+
+    def _extend(self, aux: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Add the new committed positions to the context; returns every layer's K/V over it."""
+        start, end = self.length, self.length + aux.shape[0]
+        if not self.cache_context:
+            self.aux.append(aux)
+            self.length = end
+            return self._context_kv(torch.cat(self.aux), 0)
+        new = self._context_kv(aux, start)
+        if self.kv is None:
+            self.kv = [tuple(t.new_zeros(*t.shape[:2], self.capacity, t.shape[-1]) for t in pair) for pair in new]
+        for (k, v), (k_new, v_new) in zip(self.kv, new):
+            k[:, :, start:end], v[:, :, start:end] = k_new, v_new
+        self.length = end
+        return [(k[:, :, :end], v[:, :, :end]) for k, v in self.kv]
+
+    @torch.no_grad()
+    def block_logits(self, state: DraftState) -> torch.Tensor:
+        """Commit the new positions' context, run the block once -> logits of slots 1..depth (depth, V)."""
+        aux = self._committed_aux(state)
+        length = state.tokens.shape[0]
+        start = length - 1 - aux.shape[0]
+        if start != self.length:
+            raise RuntimeError(f"dflash drafter: context holds {self.length} positions, expected {start}")
+        context = self._extend(aux)
+        B = self.head.config.block_size
+        tokens = block_tokens(state.tokens[-1:].to(self.device), B, self.head.config.mask_token_id)  # (1, B)
+        embeds = self.lean.embedding[tokens].to(self.dtype)  # (1, B, D)
+        positions = torch.arange(length - 1, length - 1 + B, device=self.device)[None]
+        out = self.head(embeds, positions, context)[0, 1: self.depth + 1]  # (depth, D)
+        normed = self.head.norm(out).to(self.lean.embedding.dtype)
+        return self.lean.lm_head(normed).float()
+
+    @torch.no_grad()
+    def propose(self, state: DraftState) -> Candidates:
+        logits = self.block_logits(state)
+        if state.sampling.greedy or self.greedy_drafts:
+            return Candidates.chain(logits.argmax(-1).tolist())
+        q = probabilities(logits, state.sampling)  # (depth, V)
+        tokens = [int(sample(row, state.generator)) for row in q]
+        return Candidates.chain(tokens, q, deterministic=False)
+
+    def accept(self, state: DraftState, accepted: list[int]) -> None:
+        pass  # the context grows from the target's features of committed tokens only
+
+
+def dflash_chain(head, lean, depth, draft_vocab=None, greedy_drafts=False) -> DflashDrafter:
+    """The registry's chain: `depth` capped at the head's block_size - 1 (one forward drafts at most that)."""
+    return DflashDrafter(head, lean, depth=min(depth, head.config.block_size - 1), greedy_drafts=greedy_drafts)
