@@ -35,8 +35,11 @@ CHECK_SCRIPT = REPO / "scripts" / "vllm_check.py"
 READY = ".specheads-ready"  # written by a loader venv's set-up script once the venv imports its loader
 ENGINES = ("vllm",)
 # The export layout vLLM loads for each head type, and the speculative method it runs it with.
-VLLM_LAYOUTS = {"eagle3": "speculators", "eagle": "eagle_vllm", "medusa": "medusa_vllm"}
-VLLM_METHODS = {"speculators": "eagle3", "eagle3_vllm": "eagle3", "eagle_vllm": "eagle", "medusa_vllm": "medusa"}
+# `peagle` is vLLM's eagle3 method with parallel drafting (scripts/vllm_check.py writes the flag).
+VLLM_LAYOUTS = {"eagle3": "speculators", "eagle": "eagle_vllm", "medusa": "medusa_vllm",
+                "peagle": "speculators_peagle", "dflash": "speculators_dflash"}
+VLLM_METHODS = {"speculators": "eagle3", "eagle3_vllm": "eagle3", "eagle_vllm": "eagle", "medusa_vllm": "medusa",
+                "speculators_peagle": "peagle", "speculators_dflash": "dflash"}
 TOLERANCE = 0.02  # per-position acceptance, greedy, float32: see docs/serving.md for how it was measured
 
 

@@ -7,7 +7,7 @@ vLLM and the standard library. eval/engine.py writes the job and reads the answe
 JOB.json: {"target": local folder of the base model, "dtype": "float32" | "bfloat16",
 "prompts": [[token ids], ...], "max_tokens": int, "temperature": float, "seed": int,
 "plain": bool (also run the engine without a draft), "cases": [{"name", "method" (eagle3 | eagle |
-medusa), "model" (draft folder), "k", "prompts" (how many of the prompts; null: all)}]}.
+medusa | dflash | peagle: eagle3 with parallel drafting), "model" (draft folder), "k", "prompts" (how many of the prompts; null: all)}]}.
 
 OUT.json: per run its output token ids per prompt, its seconds in `generate` and, for a speculative
 run, the engine's spec-decode counters per prompt: drafts (speculative steps), draft_tokens,
@@ -63,6 +63,8 @@ def run_one(job: dict, case: dict | None) -> dict:
                    distributed_executor_backend="uni")
     if case is not None:
         config = {"method": case["method"], "num_speculative_tokens": case["k"]}
+        if case["method"] == "peagle":  # P-EAGLE runs as eagle3 drafting all K positions in one pass
+            config.update(method="eagle3", parallel_drafting=True)
         config["model"] = case["model"]
         options["speculative_config"] = config
     llm = LLM(**options)

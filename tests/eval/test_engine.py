@@ -135,3 +135,16 @@ def test_the_report_puts_the_engine_beside_our_chain_per_category(tmp_path, monk
     markdown = (tmp_path / "out" / "report.md").read_text()
     assert "| code | 2 |" in markdown and "specheads chain" in markdown
     assert json.loads((tmp_path / "out" / "report.json").read_text())["k"] == 3
+
+
+def test_every_head_kind_has_a_layout_vllm_loads_and_a_method():
+    from eval.engine import VLLM_LAYOUTS, VLLM_METHODS
+    from export.formats import FORMATS
+    from train.kinds import KINDS
+
+    assert set(VLLM_LAYOUTS) == set(KINDS)
+    for kind, layout in VLLM_LAYOUTS.items():
+        assert layout in FORMATS and FORMATS[layout].head_type == kind and layout in VLLM_METHODS, (kind, layout)
+    assert VLLM_METHODS["speculators_peagle"] == "peagle"  # vllm_check turns it into eagle3 + parallel_drafting
+    check = (Path(__file__).resolve().parents[2] / "scripts" / "vllm_check.py").read_text()
+    assert 'parallel_drafting=True' in check
