@@ -16,35 +16,19 @@ anchor-block mask, RoPE positions, its layers and norm). Prints one JSON object.
 """
 from __future__ import annotations
 
-import argparse
 import json
-from importlib.metadata import version
-from pathlib import Path
 
 import torch
-from safetensors import safe_open
 
-
-def read_tensors(path: Path) -> dict[str, torch.Tensor]:
-    with safe_open(str(path), "pt") as handle:
-        return {key: handle.get_tensor(key) for key in handle.keys()}
+from speculators_load import arguments, common_report, load_speculator, read_tensors
 
 
 @torch.no_grad()
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--export", type=Path, required=True)
-    parser.add_argument("--inputs", type=Path, required=True)
-    parser.add_argument("--verifier", required=True, help="local folder of the target model")
-    args = parser.parse_args(argv)
+    args = arguments(__doc__.split("\n\n")[0], argv)
     import speculators.models.dflash.core as dflash_core
-    from speculators import SpeculatorModel, SpeculatorModelConfig
 
-    config = SpeculatorModelConfig.from_pretrained(args.export)
-    named = config.speculators_config.verifier.name_or_path
-    config.speculators_config.verifier.name_or_path = args.verifier
-    config.transformer_layer_config._attn_implementation = "sdpa"  # flex attention needs a GPU
-    model = SpeculatorModel.from_pretrained(args.export, config=config, dtype=torch.float32).eval()
+    model, config, named = load_speculator(args.export, args.verifier)
     inputs = read_tensors(args.inputs)
     model.embed_tokens.weight.copy_(inputs["embed_tokens"])
     model.lm_head.weight.copy_(inputs["lm_head"])
@@ -56,20 +40,12 @@ def main(argv: list[str] | None = None) -> dict:
         inputs["hidden_states"], ids, torch.ones(1, T), torch.zeros(1, T, H), torch.zeros_like(ids),
         max_anchors=anchors.numel())
     ours = inputs["logits"]
-    files = read_tensors(args.export / "model.safetensors")
-    state = model.state_dict()
     B = model.block_size
     diff = (theirs.float() - ours).abs().view(anchors.numel(), B, -1)
     return {
-        "speculators": version("speculators"), "torch": torch.__version__, "verifier_in_file": named,
-        "model_class": type(model).__name__, "block_size": B, "mask_token_id_loaded": model.mask_token_id,
-        "aux_layer_ids_loaded": list(model.target_layer_ids), "layers": len(model.layers),
-        "attention": model.config.transformer_layer_config._attn_implementation,
-        "unexpected_keys": sorted(set(files) - set(state)),
-        "changed_keys": sorted(k for k, v in files.items() if k in state and not torch.equal(state[k].to(v.dtype), v)),
+        **common_report(model, args.export, named, theirs, ours),
+        "block_size": B, "aux_layer_ids_loaded": list(model.target_layer_ids), "layers": len(model.layers),
         "blocks": int(anchors.numel()), "max_abs_diff_per_slot": [float(diff[:, j].max()) for j in range(B)],
-        "max_abs_diff": float(diff.max()), "max_abs_logit": float(ours.abs().max()),
-        "argmax_agreement": float((theirs.argmax(-1) == ours.argmax(-1)).float().mean()),
     }
 
 

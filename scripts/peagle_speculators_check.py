@@ -17,36 +17,20 @@ is speculators' code. Prints one JSON object on the last line of stdout.
 """
 from __future__ import annotations
 
-import argparse
 import json
-from importlib.metadata import version
-from pathlib import Path
 
 import torch
-from safetensors import safe_open
 
-
-def read_tensors(path: Path) -> dict[str, torch.Tensor]:
-    with safe_open(str(path), "pt") as handle:
-        return {key: handle.get_tensor(key) for key in handle.keys()}
+from speculators_load import arguments, common_report, load_speculator, read_tensors
 
 
 @torch.no_grad()
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--export", type=Path, required=True)
-    parser.add_argument("--inputs", type=Path, required=True)
-    parser.add_argument("--verifier", required=True, help="local folder of the target model")
-    args = parser.parse_args(argv)
+    args = arguments(__doc__.split("\n\n")[0], argv)
     import speculators.models.peagle.core as peagle_core
-    from speculators import SpeculatorModel, SpeculatorModelConfig
     from speculators.losses import resolve_loss_config
 
-    config = SpeculatorModelConfig.from_pretrained(args.export)
-    named = config.speculators_config.verifier.name_or_path
-    config.speculators_config.verifier.name_or_path = args.verifier
-    config.transformer_layer_config._attn_implementation = "sdpa"  # flex attention needs a GPU
-    model = SpeculatorModel.from_pretrained(args.export, config=config, dtype=torch.float32).eval()
+    model, config, named = load_speculator(args.export, args.verifier)
     inputs = read_tensors(args.inputs)
     ours = inputs["logits"]
     rows = (inputs["anchor_pos"].long(), inputs["depth"].long())
@@ -63,22 +47,14 @@ def main(argv: list[str] | None = None) -> dict:
     finally:
         hook.remove()
     theirs = captured[0]
-    files = read_tensors(args.export / "model.safetensors")
-    state = model.state_dict()
     diff = (theirs - ours).abs()
-    report = {
-        "speculators": version("speculators"), "torch": torch.__version__, "verifier_in_file": named,
-        "model_class": type(model).__name__, "mask_token_id_loaded": model.mask_token_id,
-        "attention": model.config.transformer_layer_config._attn_implementation,
-        "unexpected_keys": sorted(set(files) - set(state)),
-        "changed_keys": sorted(k for k, v in files.items() if k in state and not torch.equal(state[k].to(v.dtype), v)),
-        "mask_hidden_loaded": bool(torch.equal(state["mask_hidden"].float(), files["mask_hidden"].float())),
+    files = read_tensors(args.export / "model.safetensors")
+    return {
+        **common_report(model, args.export, named, theirs, ours),
+        "mask_hidden_loaded": bool(torch.equal(model.state_dict()["mask_hidden"].float(), files["mask_hidden"].float())),
         "rows": int(rows[0].shape[0]), "depths": int(rows[1].max()) + 1, "draft_vocab": int(ours.shape[-1]),
         "max_abs_diff_per_depth": [float(diff[0, rows[1] == d].max()) for d in range(int(rows[1].max()) + 1)],
-        "max_abs_diff": float(diff.max()), "max_abs_logit": float(ours.abs().max()),
-        "argmax_agreement": float((theirs.argmax(-1) == ours.argmax(-1)).float().mean()),
     }
-    return report
 
 
 if __name__ == "__main__":

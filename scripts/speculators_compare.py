@@ -121,6 +121,20 @@ def run_check(python: Path, cases: list[tuple[str, Path, Path]], verifier: str, 
     return json.loads(run.stdout.strip().splitlines()[-1])
 
 
+def run_script(script: str, folder: Path, inputs: Path, target, timeout: int = 900) -> dict:
+    """One of the per-kind checks (scripts/peagle_speculators_check.py, scripts/dflash_speculators_check.py)
+    on export `folder` and the logits file `inputs`, in the speculators venv: its JSON report."""
+    command = [str(speculators_python()), str(REPO / "scripts" / script), "--export", str(folder),
+               "--inputs", str(inputs), "--verifier", verifier_folder(target)]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PYTHONWARNINGS": "ignore",
+           "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    env.pop("PYTHONPATH", None)
+    run = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+    if run.returncode != 0:
+        raise RuntimeError(f"{script} failed ({run.returncode}):\n{(run.stdout + run.stderr)[-6000:]}")
+    return json.loads(run.stdout.strip().splitlines()[-1])
+
+
 # EAGLE-3.1 heads (folder name -> options), loaded the speculators route only: SGLang's layout has no
 # place for the options.
 EAGLE31_CASES = {"speculators-norm_before_fc": {"norm_before_fc": True, "norm_output": True},

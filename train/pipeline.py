@@ -233,14 +233,15 @@ def _eval_and_export(job: JobConfig, target: FrozenTarget, checkpoint: Path, run
 
     if "export" in job.stages:
         from export.writer import export_all
-        from train.checkpoint import trained_data
+        from train.checkpoint import read_state, trained_data
 
         known = {**known, **summary}  # an export-only re-run keeps the training run's figures
         trained = trained_data(checkpoint)
+        scored = (read_state(checkpoint) or {}).get("eval") or None  # what this checkpoint scored when saved
         if trained is None:
             log.warning("%s records no size of the data it trained on (not a checkpoint, or saved by an older "
                         "specheads): the manifest leaves train_records and train_tokens empty", checkpoint)
-        extra = {"training": _training_figures(known, trained), "eval": _eval_figures(known)}
+        extra = {"training": _training_figures(known, trained, scored), "eval": _eval_figures(known)}
         runtime = (known.get("eval") or {}).get("recommended_runtime")
         if runtime:
             extra["runtime"] = RecommendedRuntime.from_dict(runtime)
@@ -359,13 +360,15 @@ def _eval_files(summary: dict) -> list[str]:
     return [Path(path).name for path in files if isinstance(path, str)]
 
 
-def _training_figures(summary: dict, trained: dict | None) -> dict:
+def _training_figures(summary: dict, trained: dict | None, scored: dict | None = None) -> dict:
     """The manifest's `training` section. `trained`: the size of the data the head trained on, from
-    its checkpoint's run identity; the run folder's data stage may have prepared other data since."""
+    its checkpoint's run identity; the run folder's data stage may have prepared other data since.
+    `scored`: the held-out figures the exported checkpoint recorded when it was saved (the best
+    checkpoint is exported, and a later evaluation may have scored lower); else the last evaluation."""
     train = summary.get("train") or {}
     data = trained or {}
     return {"recipe": train.get("recipe", summary.get("recipe")), "data_source": train.get("data_source"),
-            "steps": train.get("steps"), "held_out": train.get("final_eval"), "best": train.get("best_eval"),
+            "steps": train.get("steps"), "held_out": scored or train.get("final_eval"), "best": train.get("best_eval"),
             "train_records": data.get("records"), "train_tokens": data.get("tokens"),
             "hardware": train.get("hardware", summary.get("hardware"))}  # where the head was trained
 

@@ -4,25 +4,13 @@ its own block forward at anchors we choose, and its logits match our DflashHead'
 features (scripts/dflash_speculators_check.py)."""
 from __future__ import annotations
 
-import importlib.util
-import json
-import os
-import subprocess
-from pathlib import Path
-
 import pytest
 import torch
 
-REPO = Path(__file__).resolve().parents[2]
+from tests.speculators_driver import driver
+
 TOLERANCE = 1e-3  # float32 on both sides; only the order of float operations differs
 BLOCK = 8
-
-
-def _compare_module():
-    spec = importlib.util.spec_from_file_location("speculators_compare", REPO / "scripts" / "speculators_compare.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 @torch.no_grad()
@@ -47,7 +35,7 @@ def test_speculators_loads_our_dflash_export_and_matches_our_logits(tmp_path, sm
     from train.dflash_objective import run_blocks
     from train.objectives import FrozenParts
 
-    compare = _compare_module()
+    compare = driver()
     head, config = _head(smollm2)
     folder = export_head(head, config, "speculators_dflash", tmp_path / "dflash", smollm2, dtype="float32")
     loaded, _, _ = load_export(folder, smollm2, dtype="float32")
@@ -62,13 +50,7 @@ def test_speculators_loads_our_dflash_export_and_matches_our_logits(tmp_path, sm
     save_file({"hidden_states": aux.contiguous(), "input_ids": tokens.contiguous(), "anchors": anchors,
                "embed_tokens": parts.embed_weight.float().contiguous(), "lm_head": parts.lm_head_weight.float().clone(),
                "logits": logits.contiguous()}, str(tmp_path / "inputs.safetensors"))
-    command = [str(compare.speculators_python()), str(REPO / "scripts" / "dflash_speculators_check.py"),
-               "--export", str(folder), "--inputs", str(tmp_path / "inputs.safetensors"),
-               "--verifier", compare.verifier_folder(smollm2)]
-    run = subprocess.run(command, capture_output=True, text=True, cwd=REPO, timeout=600,
-                         env={**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")})
-    assert run.returncode == 0, run.stderr[-3000:]
-    report = json.loads(run.stdout.strip().splitlines()[-1])
+    report = compare.run_script("dflash_speculators_check.py", folder, tmp_path / "inputs.safetensors", smollm2)
     print(f"speculators {report['speculators']} DFlash: max abs logit diff {report['max_abs_diff']:.2e} "
           f"(logits up to {report['max_abs_logit']:.1f}), per slot {report['max_abs_diff_per_slot']}, "
           f"argmax agreement {report['argmax_agreement']}")

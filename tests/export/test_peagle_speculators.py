@@ -5,25 +5,13 @@ mask, its mask token and mask_hidden) and its logits match our PeagleHead's on t
 features (scripts/peagle_speculators_check.py)."""
 from __future__ import annotations
 
-import importlib.util
-import json
-import os
-import subprocess
-from pathlib import Path
-
 import pytest
 import torch
 
-REPO = Path(__file__).resolve().parents[2]
+from tests.speculators_driver import driver
+
 TOLERANCE = 1e-3  # float32 on both sides; only the order of float operations differs
 K = 4
-
-
-def _compare_module():
-    spec = importlib.util.spec_from_file_location("speculators_compare", REPO / "scripts" / "speculators_compare.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 @torch.no_grad()
@@ -47,7 +35,7 @@ def _our_rows(head, target, embedding):
     from train.objectives import FrozenParts
     from train.peagle_objective import context_forward, slot_forward
 
-    tokens = torch.tensor([target.tokenizer(_compare_module().TEXT)["input_ids"]])
+    tokens = torch.tensor([target.tokenizer(driver().TEXT)["input_ids"]])
     T = tokens.shape[1] - 1
     layers = head.config.aux_layer_ids
     hidden_states = target.features(tokens[:, :-1], layers=layers).hidden
@@ -69,20 +57,13 @@ def test_speculators_loads_our_peagle_export_and_matches_our_logits(tmp_path, sm
 
     from export import export_head, load_export
 
-    compare = _compare_module()
+    compare = driver()
     head, config = _head(smollm2)
     folder = export_head(head, config, "speculators_peagle", tmp_path / "peagle", smollm2, dtype="bfloat16")
     loaded, _, _ = load_export(folder, smollm2, dtype="float32")
     embedding = load_file(str(folder / "model.safetensors"))["embed_tokens.weight"].float()
     save_file(_our_rows(loaded.eval(), smollm2, embedding), str(tmp_path / "inputs.safetensors"))
-    command = [str(compare.speculators_python()), str(REPO / "scripts" / "peagle_speculators_check.py"),
-               "--export", str(folder), "--inputs", str(tmp_path / "inputs.safetensors"),
-               "--verifier", compare.verifier_folder(smollm2)]
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PYTHONWARNINGS": "ignore"}
-    env.pop("PYTHONPATH", None)
-    run = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
-    assert run.returncode == 0, (run.stdout + run.stderr)[-6000:]
-    report = json.loads(run.stdout.strip().splitlines()[-1])
+    report = compare.run_script("peagle_speculators_check.py", folder, tmp_path / "inputs.safetensors", smollm2)
     print(f"speculators {report['speculators']} {report['model_class']}: max abs logit diff per depth "
           f"{report['max_abs_diff_per_depth']} (logits up to {report['max_abs_logit']:.1f}), argmax agreement "
           f"{report['argmax_agreement']}")

@@ -6,20 +6,10 @@ features and tokens over three training-time-test steps; so do those of two EAGL
 (norm_before_fc with norm_output, and fc_norm), whose input norms speculators reads by our names."""
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 
-DRIVER = Path(__file__).resolve().parents[2] / "scripts" / "speculators_compare.py"
+from tests.speculators_driver import driver
 TOLERANCE = 1e-3  # float32 on both sides; what differs is only the order of float operations
-
-
-def _driver():
-    spec = importlib.util.spec_from_file_location("speculators_compare", DRIVER)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def _clean(audit: dict) -> bool:
@@ -28,7 +18,7 @@ def _clean(audit: dict) -> bool:
 
 @pytest.mark.integration
 def test_speculators_loads_our_exports_and_matches_our_logits(tmp_path, smollm2):
-    report = _driver().compare(smollm2, tmp_path, steps=3, dtype="bfloat16", with_renamed_key=True,
+    report = driver().compare(smollm2, tmp_path, steps=3, dtype="bfloat16", with_renamed_key=True,
                                with_eagle31=True)
     assert report["speculators"] == "0.9.0"
     spec, sgl, before_fc, fc_norm, renamed = report["cases"]

@@ -77,9 +77,11 @@ def _load_from_cache(args):
     return str(folder), sorted(p.name for p in folder.iterdir())
 
 
+@pytest.mark.slow
 @pytest.mark.integration
 def test_gguf_cache_concurrent_first_use(tmp_path):
-    """Two processes dequantizing the same GGUF at once end with one complete cache folder."""
+    """Two processes dequantizing the same GGUF at once end with one complete cache folder (two
+    full dequantizations of the embedded target: ~50 s, so marked slow)."""
     gguf = embedded_gguf_path()
     ctx = multiprocessing.get_context("spawn")
     with ctx.Pool(2) as pool:

@@ -47,6 +47,27 @@ def test_tiny_training_lowers_the_loss(tmp_path, kind):
     assert json.loads((tmp_path / "result.json").read_text())["steps"] == 24
 
 
+def test_the_best_checkpoint_carries_its_own_held_out_figures(tmp_path):
+    """The export is the best checkpoint, so its manifest's held-out figures are what that
+    checkpoint scored when saved, not the last evaluation (they differ when a later one scored lower)."""
+    from train.checkpoint import read_state
+    from train.pipeline import _training_figures
+
+    target = tiny_target()
+    job = tiny_job(tmp_path, "eagle", max_steps=24, eval_every=4, save_every=4, learning_rate=3e-2)
+    result = train_heads(job, target, tiny_data())
+    lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    evals = {line["step"]: {k: v for k, v in line.items() if k.startswith("eval/") and k != "eval/wall_minutes"}
+             for line in lines if "eval/acceptance_length" in line}
+    best = max(evals, key=lambda step: (evals[step]["eval/acceptance_length"], -step))  # the first of equals
+    assert result.best_eval["step"] == best and result.final_eval == evals[24]
+    scored = read_state(result.best_checkpoint)["eval"]
+    assert scored == evals[best]
+    summary = {"train": {"final_eval": result.final_eval}}
+    assert _training_figures(summary, None, scored)["held_out"] == evals[best]
+    assert _training_figures(summary, None, None)["held_out"] == evals[24]
+
+
 @pytest.mark.parametrize("kind", ["eagle", "eagle3"])
 def test_a_bf16_target_trains_fp32_heads_on_the_cpu(tmp_path, kind):
     """The frozen target may compute in bf16 (heads/dtypes.py); the head keeps fp32 weights and
