@@ -5,8 +5,9 @@ import random
 import pytest
 import torch
 
-# Keep the suite from fighting itself for the 2 cores of a CI machine.
-torch.set_num_threads(int(os.environ.get("SPECHEADS_TEST_THREADS", "1")))
+# One test runs at a time: its torch ops take both cores of a CI machine (the tests that start
+# several processes give each one thread). SPECHEADS_TEST_THREADS overrides.
+torch.set_num_threads(int(os.environ.get("SPECHEADS_TEST_THREADS", str(min(2, os.cpu_count() or 1)))))
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("WANDB_SILENT", "true")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")

@@ -10,7 +10,7 @@ A run is the recipe as `python -m train +recipe=NAME` composes it (learning rate
 batch, head settings, loss vocabulary, feature memory), with only what makes it short and
 step-based replaced (`overrides`): the slice as data, RECIPES[name] steps, no wall-clock
 budget, one evaluation at the end, no W&B. The target is the embedded SmolLM2. The torch thread
-count is the caller's (tests: 1; `--threads` here).
+count is the caller's (tests: 2 where the machine has 2 cores, tests/conftest.py; `--threads` here).
 
 Adding a recipe: one line in RECIPES, then `python -m tests.goldens record NAME` (and `spread NAME`
 to note how far it moves across thread counts and vector ISAs). Regenerate a
