@@ -2,7 +2,7 @@
 # Every head kind on the embedded default, on the same data and the same training minutes, then
 # measured in our runtime (each job's eval stage) and in vLLM (scripts/bench_engine.py):
 #
-#   bash scripts/bench_kinds.sh [MINUTES] [RECORDS] [OUT]      # defaults: 4 256 runs/kinds
+#   bash scripts/bench_kinds.sh [MINUTES] [RECORDS] [PROMPTS] [OUT]   # defaults: 3 1536 6 runs/kinds
 #
 # The data is the first RECORDS conversations of the self-distilled corpus that
 # conf/recipe/eagle3_smollm2_135m_corpus.yaml builds (its regenerate stage; shards already written
@@ -12,15 +12,16 @@
 # DFlash block as 1+K query tokens, so K = block size - 1 is the block the drafter proposes).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-MINUTES=${1:-4}
-RECORDS=${2:-256}
-OUT=${3:-runs/kinds}
+MINUTES=${1:-3}
+RECORDS=${2:-1536}
+PROMPTS=${3:-6}
+OUT=${4:-runs/kinds}
 PY=.venv/bin/python
 export OMP_WAIT_POLICY=PASSIVE
 COMMON=(data.max_records="$RECORDS" data.eval_fraction=0.03
         data.regenerate.output_dir=runs/regenerated/sharegpt_first_exchange data.regenerate.generator=lean
         data.regenerate.batch_size=48 trainer.max_minutes="$MINUTES" trainer.max_steps=100000
-        trainer.num_threads=2 logger=none)
+        trainer.num_threads=2 logger=none runtime.num_prompts="$PROMPTS")
 mkdir -p "$OUT"
 for recipe in eagle_smollm2_135m eagle3_smollm2_135m peagle_smollm2_135m dflash_smollm2_135m; do
   echo "$(date -u +%FT%TZ) $recipe"
@@ -29,7 +30,7 @@ done
 echo "$(date -u +%FT%TZ) vLLM"
 $PY scripts/bench_engine.py --head "$OUT/eagle_smollm2_135m/export/native" \
   --head "$OUT/eagle3_smollm2_135m/export/native" --head "$OUT/peagle_smollm2_135m/export/native" \
-  --prompts 8 --tokens 48 --k 3 --no-transformers --out "$OUT/engine_k3" > "$OUT/engine_k3.log" 2>&1
+  --prompts "$PROMPTS" --tokens 48 --k 3 --no-transformers --out "$OUT/engine_k3" > "$OUT/engine_k3.log" 2>&1
 $PY scripts/bench_engine.py --head "$OUT/dflash_smollm2_135m/export/native" \
-  --prompts 8 --tokens 48 --k 15 --no-transformers --out "$OUT/engine_dflash" > "$OUT/engine_dflash.log" 2>&1
+  --prompts "$PROMPTS" --tokens 48 --k 15 --no-transformers --out "$OUT/engine_dflash" > "$OUT/engine_dflash.log" 2>&1
 echo "$(date -u +%FT%TZ) done"
