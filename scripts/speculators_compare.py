@@ -113,11 +113,17 @@ def run_check(python: Path, cases: list[tuple[str, Path, Path]], verifier: str, 
     command = [str(python), str(REPO / "scripts" / "speculators_check.py"), "--verifier", verifier, "--work", str(work)]
     for route, folder, inputs in cases:
         command += ["--case", route, str(folder), str(inputs)]
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PYTHONWARNINGS": "ignore"}
+    return _report(command, "speculators_check.py", timeout)
+
+
+def _report(command: list[str], script: str, timeout: int, **env_extra: str) -> dict:
+    """Run a check in the speculators venv, offline and away from the project's packages; its JSON
+    report (the last line of its stdout)."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PYTHONWARNINGS": "ignore", **env_extra}
     env.pop("PYTHONPATH", None)
     run = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
     if run.returncode != 0:
-        raise RuntimeError(f"speculators_check.py failed ({run.returncode}):\n{(run.stdout + run.stderr)[-6000:]}")
+        raise RuntimeError(f"{script} failed ({run.returncode}):\n{(run.stdout + run.stderr)[-6000:]}")
     return json.loads(run.stdout.strip().splitlines()[-1])
 
 
@@ -126,13 +132,7 @@ def run_script(script: str, folder: Path, inputs: Path, target, timeout: int = 9
     on export `folder` and the logits file `inputs`, in the speculators venv: its JSON report."""
     command = [str(speculators_python()), str(REPO / "scripts" / script), "--export", str(folder),
                "--inputs", str(inputs), "--verifier", verifier_folder(target)]
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PYTHONWARNINGS": "ignore",
-           "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
-    env.pop("PYTHONPATH", None)
-    run = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
-    if run.returncode != 0:
-        raise RuntimeError(f"{script} failed ({run.returncode}):\n{(run.stdout + run.stderr)[-6000:]}")
-    return json.loads(run.stdout.strip().splitlines()[-1])
+    return _report(command, script, timeout, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
 
 
 # EAGLE-3.1 heads (folder name -> options), loaded the speculators route only: SGLang's layout has no
