@@ -6,6 +6,9 @@ steps (target forward + head + loss + backward + AdamW) for each head type, on t
 
 Variants run interleaved round by round (target, eagle, medusa, target, ...) so a shared machine's
 load drifts over all of them alike; the ratio training / target-forward is the heads' overhead.
+`--bf16` adds the target's forward and an EAGLE step with the frozen target in bf16 (the feature
+pass the dtype rule picks on a CPU with bf16 instructions; the head keeps fp32 weights), so the
+feature pass's speed in each dtype compares within one run.
 Not a timed test: absolute numbers depend on the machine and its load.
 """
 from __future__ import annotations
@@ -58,6 +61,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--chunk-size", type=int, default=1024)
+    parser.add_argument("--bf16", action="store_true", help="add the bf16 feature pass (forward and EAGLE step)")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -70,6 +74,16 @@ def main() -> None:
         "eagle train step": (eagle, eagle_step, EagleOptions()),
         "medusa train step": (medusa, medusa_step, MedusaOptions()),
     }
+    sources = dict.fromkeys(variants, source)
+    if args.bf16:
+        import copy
+
+        low = copy.deepcopy(target)
+        low.model.to(torch.bfloat16)
+        bf16_source = OnlineFeatures(low, dtype=torch.float32)  # the head reads fp32 features, as in training
+        bf16_eagle = init_eagle(build_head(EagleConfig.from_target(target)), target)
+        variants.update({"target forward bf16": None, "eagle step bf16": (bf16_eagle, eagle_step, EagleOptions())})
+        sources.update({"target forward bf16": bf16_source, "eagle step bf16": bf16_source})
     optimizers = {name: torch.optim.AdamW(v[0].parameters(), lr=1e-4) for name, v in variants.items() if v}
     clock = device_clock(target.device)  # CUDA: synchronised readings
     seconds = dict.fromkeys(variants, 0.0)
@@ -78,7 +92,7 @@ def main() -> None:
         for name, variant in variants.items():
             started = clock()
             for batch in batches:
-                features = source(batch)
+                features = sources[name](batch)
                 if variant is not None:
                     head, step, options = variant
                     step(head, parts, batch, features, options, args.chunk_size)["loss"].backward()
@@ -93,7 +107,7 @@ def main() -> None:
     base = tokens["target forward"] / seconds["target forward"]
     for name in variants:
         rate = tokens[name] / seconds[name]
-        print(f"{name:>18}: {rate:8.1f} tokens/s   cost vs target forward {base / rate:5.2f}x")
+        print(f"{name:>19}: {rate:8.1f} tokens/s   cost vs target forward {base / rate:5.2f}x")
 
 
 if __name__ == "__main__":
