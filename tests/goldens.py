@@ -39,12 +39,11 @@ RECIPES = {
     "eagle_smollm2_135m": 30,
     "eagle3_smollm2_135m": 20,
     "medusa_smollm2_135m": 10,  # a step projects 4 heads through the whole 49,152-token lm_head: ~5 s
+    "peagle_smollm2_135m": 10,
+    "dflash_smollm2_135m": 8,  # a step drafts 16-token blocks from every anchor: ~4 s
 }
 # CPU recipes without a golden yet, and why (tests/train/test_goldens.py lets no other one pass).
-PENDING: dict[str, str] = {
-    "peagle_smollm2_135m": "new kind; its golden curve is to be recorded with `spread` like the others",
-    "dflash_smollm2_135m": "new kind; its golden curve is to be recorded with `spread` like the others",
-}
+PENDING: dict[str, str] = {}
 
 # What a rerun may differ by. Origin: each golden's "spread" (`spread NAME`), measured on an AMD
 # EPYC (AVX-512), torch 2.13: the same run repeated is bit-identical; 2 threads instead of 1 moved
