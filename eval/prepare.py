@@ -67,11 +67,13 @@ def candidate_dtypes(setting: str, model_dtype: torch.dtype, device: torch.devic
 
 def runtime_sizes(runtime: RuntimeConfig, drafters: Sequence[str] = ()) -> list[int]:
     """Row counts the runtime's forwards will use: 1 (decode), the tree and chain sizes it may
-    choose or sweep, prompt-lookup and Medusa trees (root included)."""
+    choose or sweep, prompt-lookup, Medusa and P-EAGLE trees (root included)."""
     sizes = {1, *runtime.tree_auto_sizes, *runtime.tree_sweep, runtime.chain_depth + 1,
              runtime.prompt_lookup_tokens + 1}
     if isinstance(runtime.tree_total_tokens, int) and not isinstance(runtime.tree_total_tokens, bool):
         sizes.add(runtime.tree_total_tokens)
+    if "peagle_tree" in drafters:
+        sizes.add(runtime.peagle_tree_tokens)
     if "medusa" in drafters:
         from eval.calibrate import MEDUSA_AUTO_SIZES
 

@@ -27,6 +27,7 @@ from eval.runtime.drafters.draft_model import DynamicGamma, self_speculation_dra
 from eval.runtime.drafters.eagle import EagleDrafter
 from eval.runtime.drafters.kinds import drafters_for, head_drafters, kind_drafters, kinds_running
 from eval.runtime.drafters.medusa import MedusaDrafter
+from eval.runtime.drafters.peagle import peagle_tree
 from eval.runtime.drafters.prompt_lookup import PromptLookupDrafter
 from eval.runtime.generate import GenerationResult, plain_generate, speculative_generate
 from eval.runtime.model import LeanLlama
@@ -165,6 +166,11 @@ def build_methods(names: Sequence[str], runtime: RuntimeConfig, lean: LeanLlama,
                                                runtime, plain_seconds, lean),
                                   verification, settings={"tree_nodes": len(choices), "choices": runtime.medusa_choices,
                                                           **vocab, **gate}))
+        elif name == "peagle_tree":
+            depth, total = min(runtime.chain_depth, head.config.speculative_tokens), runtime.peagle_tree_tokens
+            methods.append(Method(name, _gated(lambda depth=depth, total=total: peagle_tree(head, lean, depth, total),
+                                               runtime, plain_seconds, lean),
+                                  settings={"total_tokens": total, "depth": depth, **vocab, **gate}))
         else:  # the head kind's chain (eval.runtime.drafters.kinds): eagle_chain, and a new kind's drafter as it is
             chain = kind_drafters(head).chain
             methods.append(Method(name, _gated(lambda chain=chain: chain(head, lean, runtime.chain_depth, draft_vocab), runtime,

@@ -9,6 +9,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from eval.runtime.drafters import Candidates
+from eval.runtime.sampling import sample
+from eval.runtime.verify import Verdict, children_lists
 
 
 def report_row(name, total_tokens=None, tau=2.0, tps=50.0, identical=True, lossy=False, sweep=False):
@@ -103,6 +105,38 @@ def chi_square_p_value(counts: dict, exact: dict, samples: int) -> float:
     dof = len(exact) - 1
     return float(torch.special.gammaincc(torch.tensor(dof / 2.0, dtype=torch.float64),
                                          torch.tensor(statistic / 2.0, dtype=torch.float64)))
+
+
+def pooled_rare(counts: dict, exact: dict, samples: int, least: float = 5.0) -> tuple[dict, dict]:
+    """Sequences expected fewer than `least` times in `samples` pooled into one cell: Pearson's
+    statistic is dominated by a single draw of a 1e-5 sequence otherwise (whatever the drafter, the
+    first token comes from the target alone, and the random stream a drafter leaves decides which
+    ones appear)."""
+    rare = [key for key, p in exact.items() if p * samples < least]
+    pooled_counts = {key: value for key, value in counts.items() if key not in rare}
+    pooled_exact = {key: value for key, value in exact.items() if key not in rare}
+    pooled_counts["rare"] = sum(counts.get(key, 0) for key in rare)
+    pooled_exact["rare"] = sum(exact[key] for key in rare)
+    return pooled_counts, pooled_exact
+
+
+def broken_verify(tree, tokens, target_probs, draft_probs, generator=None) -> Verdict:
+    """A broken sampler the chi-square checks must catch: accepts with min(1, p/q) like the real
+    rule, but on rejection keeps sampling from p instead of the residual max(0, p - q) (or p with
+    the rejected token zeroed)."""
+    children = children_lists(tree.parents.tolist())
+    node, accepted = 0, []
+    while True:
+        p = target_probs[node]
+        for child in children[node]:
+            x = tokens[child]
+            q_x = 1.0 if draft_probs is None else float(draft_probs[child - 1][x])
+            if float(torch.rand((), generator=generator)) * q_x < float(p[x]):
+                accepted.append(child)
+                node = child
+                break
+        else:
+            return Verdict(accepted, sample(p, generator))
 
 
 class ToyTokenizer:

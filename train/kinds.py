@@ -261,7 +261,7 @@ class PeagleKind(Eagle3Kind):
     chains (train/peagle_objective.py). Features, fc groups and the ridge warm start (slot 0 is
     EAGLE-3's step 0) are EAGLE-3's."""
 
-    name, unit, drafters = "peagle", "step", ("peagle_chain",)
+    name, unit, drafters = "peagle", "step", ("peagle_tree", "peagle_chain")
 
     def build(self, target, vocab):
         """As EAGLE-3's build, with mask_token_id and K; mask_hidden starts random."""

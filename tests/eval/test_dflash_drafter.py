@@ -15,7 +15,7 @@ from eval.runtime.model import LeanLlama
 from eval.runtime.sampling import SamplingConfig, probabilities
 from heads.dflash import DflashConfig, DflashHead
 from heads.eagle3 import Eagle3Config, Eagle3Head
-from tests.helpers import chi_square_p_value
+from tests.helpers import chi_square_p_value, pooled_rare
 from tests.tiny import tiny_model, tiny_target
 
 NEW_TOKENS, B = 20, 5
@@ -171,16 +171,4 @@ def test_speculative_sampling_matches_exact_distribution(greedy_drafts):
         tokens = tuple(speculative_generate(lean, drafter, prompt, LENGTH, SamplingConfig(temperature=1.0),
                                             generator=generator).tokens)
         counts[tokens] = counts.get(tokens, 0) + 1
-    assert chi_square_p_value(*_pooled(counts, _exact(lean, prompt)), SAMPLES) > 1e-3
-
-
-def _pooled(counts: dict, exact: dict, least: float = 5.0) -> tuple[dict, dict]:
-    """Sequences expected fewer than `least` times pooled into one cell: Pearson's statistic is
-    dominated by a single draw of a 1e-5 sequence otherwise (whatever the drafter, the first token
-    comes from the target alone, and the random stream a drafter leaves decides which ones appear)."""
-    rare = [key for key, p in exact.items() if p * SAMPLES < least]
-    pooled_counts = {key: value for key, value in counts.items() if key not in rare}
-    pooled_exact = {key: value for key, value in exact.items() if key not in rare}
-    pooled_counts["rare"] = sum(counts.get(key, 0) for key in rare)
-    pooled_exact["rare"] = sum(exact[key] for key in rare)
-    return pooled_counts, pooled_exact
+    assert chi_square_p_value(*pooled_rare(counts, _exact(lean, prompt), SAMPLES), SAMPLES) > 1e-3

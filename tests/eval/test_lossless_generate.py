@@ -2,12 +2,13 @@
 sampling follow the target's exact distribution (enumerated on a 4-token vocabulary), for sampled
 chain drafts from a truncated draft model, for a deterministic tree stub, for an EAGLE-3 head
 drafting over 3 of the 4 tokens (sampled chain and EAGLE-2 tree, ids mapped through d2t), for a
-P-EAGLE head's sampled chain from one pass (the same draft vocabulary), and for
+P-EAGLE head's sampled chain and its top-k tree from one pass (the same draft vocabulary), and for
 the tree stub behind the fallback gate switching between plain and speculative steps mid-sequence.
-Chi-square at 0.001; an EAGLE-3 drafter that reports its draft distribution without the d2t map
-fails the same test. The verification rule itself is tested more thoroughly (and against a broken
-sampler, also with a draft vocabulary) in test_verify.py; this checks the plumbing (draft_probs
-alignment, tree order, cache compaction)."""
+Chi-square at 0.001, with the sequences expected fewer than 5 times pooled into one cell; an
+EAGLE-3 drafter that reports its draft distribution without the d2t map fails the same test, and
+so does the P-EAGLE tree under a broken sampler that forgets a rejected sibling. The verification
+rule itself is tested more thoroughly (and against a broken sampler, also with a draft vocabulary)
+in test_verify.py; this checks the plumbing (draft_probs alignment, tree order, cache compaction)."""
 import itertools
 
 import pytest
@@ -18,13 +19,13 @@ from eval.runtime.drafters import Candidates
 from eval.runtime.drafters.adaptive import FallbackDrafter, SpeculationGate
 from eval.runtime.drafters.draft_model import DynamicGamma, self_speculation_drafter
 from eval.runtime.drafters.eagle import EagleDrafter
-from eval.runtime.drafters.peagle import PeagleDrafter
+from eval.runtime.drafters.peagle import PeagleDrafter, PeagleTreeDrafter
 from eval.runtime.generate import speculative_generate
 from eval.runtime.model import LeanLlama
 from eval.runtime.sampling import SamplingConfig
 from heads.eagle3 import Eagle3Config, Eagle3Head, set_draft_vocab
 from heads.peagle import PeagleConfig, PeagleHead
-from tests.helpers import chi_square_p_value
+from tests.helpers import broken_verify, chi_square_p_value, pooled_rare
 from tests.tiny import tiny_model
 
 VOCAB, LENGTH, SAMPLES = 4, 3, 1500
@@ -93,6 +94,8 @@ def _peagle_head() -> PeagleHead:
 def _drafter(name: str, lean: LeanLlama):
     if name == "peagle_sampled_chain":
         return PeagleDrafter(_peagle_head(), lean)
+    if name == "peagle_tree":  # 3 of the 2 slots' top-3 paths: siblings at the root every step
+        return PeagleTreeDrafter(_peagle_head(), lean, total_tokens=4)
     if name == "sampled_chain":
         return self_speculation_drafter(lean, 1, DynamicGamma(max_gamma=2, adaptive=False))
     if name == "deterministic_tree":
@@ -103,6 +106,10 @@ def _drafter(name: str, lean: LeanLlama):
     if name.endswith("unmapped"):  # the Vd probabilities put at target ids 0..Vd-1: ignores d2t
         drafter._full_distribution = lambda q: F.pad(q, (0, VOCAB - q.shape[0]))
     return drafter
+
+
+def _p_value(counts: dict, lean, prompt) -> float:
+    return chi_square_p_value(*pooled_rare(counts, exact(lean, prompt), SAMPLES), SAMPLES)
 
 
 def _sample_counts(lean, drafter_name: str, prompt) -> dict:
@@ -119,12 +126,12 @@ def _sample_counts(lean, drafter_name: str, prompt) -> dict:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("drafter_name", ["sampled_chain", "deterministic_tree", "eagle3_sampled_chain", "eagle3_tree",
-                                          "eagle3_argmax_chain", "peagle_sampled_chain"])
+                                          "eagle3_argmax_chain", "peagle_sampled_chain", "peagle_tree"])
 def test_speculative_sampling_matches_exact_distribution(drafter_name):
     lean = _peaked_lean()
     prompt = torch.tensor([1, 3, 2])
     counts = _sample_counts(lean, drafter_name, prompt)
-    assert chi_square_p_value(counts, exact(lean, prompt), SAMPLES) > 1e-3
+    assert _p_value(counts, lean, prompt) > 1e-3
 
 
 @pytest.mark.slow
@@ -132,7 +139,20 @@ def test_eagle3_draft_distribution_without_the_id_map_is_caught():
     lean = _peaked_lean()
     prompt = torch.tensor([1, 3, 2])
     counts = _sample_counts(lean, "eagle3_sampled_chain_unmapped", prompt)
-    assert chi_square_p_value(counts, exact(lean, prompt), SAMPLES) < 1e-3
+    assert _p_value(counts, lean, prompt) < 1e-3
+
+
+@pytest.mark.slow
+def test_peagle_tree_under_a_broken_sampler_is_caught(monkeypatch):
+    """The tree's root has several deterministic children: a sampler that forgets the rejected ones
+    (the target's distribution left whole, not with their tokens zeroed) drifts from the target."""
+    import eval.runtime.generate
+
+    monkeypatch.setattr(eval.runtime.generate, "verify_sampled", broken_verify)
+    lean = _peaked_lean()
+    prompt = torch.tensor([1, 3, 2])
+    counts = _sample_counts(lean, "peagle_tree", prompt)
+    assert _p_value(counts, lean, prompt) < 1e-3
 
 
 class Clock:
@@ -173,4 +193,4 @@ def test_fallback_switching_mid_sequence_keeps_the_exact_distribution():
         counts[tokens] = counts.get(tokens, 0) + 1
         mixed += 0 in result.tree_sizes and max(result.tree_sizes) > 0
     assert mixed > SAMPLES // 10  # many sequences switched between plain and speculative steps
-    assert chi_square_p_value(counts, exact(lean, prompt), SAMPLES) > 1e-3
+    assert _p_value(counts, lean, prompt) > 1e-3

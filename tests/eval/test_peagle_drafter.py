@@ -1,13 +1,15 @@
-"""P-EAGLE drafter on tiny targets: a random head and a warm one (the EAGLE-3 setup of
+"""P-EAGLE drafters on tiny targets: a random head and a warm one (the EAGLE-3 setup of
 tests/tiny.py with a mask_hidden, so slot 0 agrees with the target most of the time). Checked:
-greedy output identical to plain decoding, one head forward per proposal, slot outputs equal to the
-head module's forward over the committed rows plus mask slots, a committed cache equal to a fresh
-recompute, sampled drafts reporting their slot's distribution over target ids."""
+greedy output identical to plain decoding (chain and tree), one head forward per proposal, slot
+outputs equal to the head module's forward over the committed rows plus mask slots, a committed
+cache equal to a fresh recompute (after one proposal and after a generation), sampled drafts
+reporting their slot's distribution over target ids; the tree: the most probable paths by hand,
+its first path the chain's drafts, deterministic drafts at a temperature."""
 import pytest
 import torch
 
 from eval.runtime.drafters import DraftState
-from eval.runtime.drafters.peagle import LeanPeagleHead, PeagleDrafter
+from eval.runtime.drafters.peagle import LeanPeagleHead, PeagleDrafter, PeagleTreeDrafter, slot_tree
 from eval.runtime.generate import plain_generate, speculative_generate
 from eval.runtime.model import LeanLlama
 from eval.runtime.sampling import SamplingConfig, probabilities
@@ -128,3 +130,107 @@ def test_depth_and_head_checks():
     with pytest.raises(ValueError, match="needs a PeagleHead"):
         PeagleDrafter(Eagle3Head(head.config), lean)
     assert PeagleDrafter.propose_many is None and PeagleDrafter(head, lean, depth=2).depth == 2
+
+
+def test_slot_tree_keeps_the_most_probable_paths():
+    probs = torch.tensor([[0.1, 0.6, 0.3], [0.4, 0.1, 0.5], [0.05, 0.05, 0.9]])  # (depth 3, Vd 3)
+    # Path products: (0,) .6, (1,) .3, (0, 0) .3, (0, 0, 0) .27, (0, 1) .24, then (0, 1, 0) .216.
+    candidates = slot_tree(probs, 5)
+    assert candidates.parents.tolist() == [-1, -1, 0, 0, 2]  # (0,), (1,), (0, 0), (0, 1), (0, 0, 0)
+    assert candidates.tokens.tolist() == [1, 2, 2, 0, 2]  # each node's rank in its slot, as a column
+    assert candidates.deterministic
+    assert slot_tree(probs, 1).tokens.tolist() == [1]
+    assert len(slot_tree(probs, 100)) == 3 + 9 + 27  # every path when the budget exceeds them
+
+
+def _first_path(candidates) -> list[int]:
+    """Tokens along the first child of each node from the root (the all-top-1 path of a slot tree)."""
+    parents, path, node = candidates.parents.tolist(), [], -1
+    while node in parents:
+        node = parents.index(node)
+        path.append(int(candidates.tokens[node]))
+    return path
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_tree_first_path_is_the_chain_and_branches_within_the_budget(temperature):
+    target, lean, head = _random()
+    with torch.no_grad():  # a confident head, so its tree reaches past the first slot
+        head.lm_head.weight.mul_(10.0)
+    chain, tree = PeagleDrafter(head, lean, greedy_drafts=True), PeagleTreeDrafter(head, lean, total_tokens=8)
+    sampling = SamplingConfig(temperature=temperature)
+    depths = []
+    for sequence in prompts(3, 9):
+        features = _features(target, head, sequence)
+        chain.reset(sequence)
+        tree.reset(sequence)
+        drafts = chain.propose(_state(target, sequence, features, sampling)).tokens.tolist()
+        candidates = tree.propose(_state(target, sequence, features, sampling))
+        assert candidates.deterministic and len(candidates) == 7
+        path = _first_path(candidates)
+        assert 1 <= len(path) <= K and path == drafts[:len(path)]
+        depths.append(len(path))
+        parents = candidates.parents.tolist()
+        assert len(set(parents)) < len(parents)  # 7 nodes over 4 slots: some node has siblings
+        assert all(int(t) % 2 == 0 for t in candidates.tokens)  # target ids of the even draft vocabulary
+        assert tree.cache_length == chain.cache_length == 8  # the same committed rows, the slots dropped
+    assert max(depths) == K
+
+
+def test_tree_greedy_speculative_equals_plain(setup):
+    target, lean, head = setup
+    drafter = PeagleTreeDrafter(head, lean, total_tokens=8)
+    accepted = []
+    for prompt in prompts(4):
+        plain = plain_generate(lean, prompt, NEW_TOKENS)
+        spec = speculative_generate(lean, drafter, prompt, NEW_TOKENS)
+        assert spec.tokens == plain.tokens
+        assert max(spec.tree_sizes) == 7
+        accepted.extend(spec.accepted)
+    if head.config.mask_token_id == 0:  # the warm head: slot 0 is EAGLE-3's first draft
+        assert max(accepted) >= 1
+
+
+@pytest.mark.parametrize("tree", [False, True])
+def test_committed_cache_after_a_generation_equals_a_fresh_recompute(tree):
+    target, lean, head = _random()
+    drafter = PeagleTreeDrafter(head, lean, total_tokens=6) if tree else PeagleDrafter(head, lean)
+    prompt = prompts(1, 9)[0]
+    result = speculative_generate(lean, drafter, prompt, NEW_TOKENS, SamplingConfig(temperature=0.8),
+                                  generator=torch.Generator().manual_seed(0))
+    assert len(result.tree_sizes) > 3
+    sequence = torch.cat([prompt, torch.tensor(result.tokens)])
+    n = drafter.cache_length  # the positions the last proposal committed: 0..n-1
+    assert prompt.shape[0] - 1 < n < sequence.shape[0]
+    features = _features(target, head, sequence[: n + 1])
+    with torch.no_grad():
+        _, (k, v) = head(target.embed_tokens(sequence[1: n + 1])[None], head.project(features[:n])[None],
+                         torch.arange(n)[None], use_cache=True)
+    torch.testing.assert_close(drafter.past[0], k, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(drafter.past[1], v, atol=1e-4, rtol=1e-4)
+
+
+def test_tree_checks():
+    target, lean, head = _random()
+    with pytest.raises(ValueError, match="total_tokens"):
+        PeagleTreeDrafter(head, lean, total_tokens=1)
+    with pytest.raises(ValueError, match="depth must lie in"):
+        PeagleTreeDrafter(head, lean, depth=K + 1)
+    assert PeagleTreeDrafter.propose_many is None and PeagleTreeDrafter(head, lean, 4, depth=2).depth == 2
+
+
+def test_eval_measures_the_tree_at_its_setting():
+    from eval.config import RuntimeConfig, check_runtime
+    from eval.run import build_methods
+
+    target, lean, head = _random()
+    runtime = RuntimeConfig(drafters=["peagle_tree", "peagle_chain"], chain_depth=3, peagle_tree_tokens=6)
+    check_runtime(runtime)
+    methods, _ = build_methods(runtime.drafters, runtime, lean, head=head)
+    assert [m.name for m in methods] == ["plain", "peagle_tree", "peagle_chain"]
+    tree, chain = methods[1].build(), methods[2].build()
+    assert isinstance(tree, PeagleTreeDrafter) and (tree.total_tokens, tree.depth) == (6, 3)
+    assert type(chain) is PeagleDrafter and chain.depth == 3
+    assert methods[1].settings["total_tokens"] == 6 and methods[1].settings["depth"] == 3
+    with pytest.raises(ValueError, match="peagle_tree_tokens"):
+        check_runtime(RuntimeConfig(peagle_tree_tokens=1))

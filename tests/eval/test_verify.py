@@ -5,7 +5,7 @@ The statistical test uses a tiny "model" given by a table: p(x | prefix) over a 
 so the exact distribution of the first 3 generated tokens (27 outcomes) can be enumerated.
 Speculative steps (chains and trees, sampled and deterministic drafts from a different table q,
 also with q confined to a draft vocabulary smaller than the target's, as EAGLE-3's d2t makes it,
-and P-EAGLE's parallel chains, whose drafts do not condition on each other)
+and P-EAGLE's parallel chains and trees, whose drafts do not condition on each other)
 are run until 3 tokens exist; the empirical counts are compared to the exact distribution with a
 chi-square test at significance 0.001 (seeds fixed, so the outcome is reproducible).
 """
@@ -17,8 +17,8 @@ import torch
 
 from eval.runtime.sampling import SamplingConfig, probabilities, sample
 from eval.runtime.tree import build_tree
-from eval.runtime.verify import children_lists, verify_greedy, verify_sampled, verify_typical, Verdict
-from tests.helpers import chi_square_p_value
+from eval.runtime.verify import Verdict, verify_greedy, verify_sampled, verify_typical
+from tests.helpers import broken_verify, chi_square_p_value
 
 VOCAB, LENGTH, SAMPLES, SIGNIFICANCE = 3, 3, 3000, 1e-3
 
@@ -121,24 +121,6 @@ def run_sampler(verify, shape, sampled, draft_vocab=None, parallel=False, seed=0
     return chi_square_p_value(counts, exact_distribution(p), SAMPLES)
 
 
-def broken_verify(tree, tokens, target_probs, draft_probs, generator=None) -> Verdict:
-    """Accepts with min(1, p/q) like the real rule, but on rejection keeps sampling from p
-    instead of the residual max(0, p - q) (or p with the rejected token zeroed)."""
-    children = children_lists(tree.parents.tolist())
-    node, accepted = 0, []
-    while True:
-        p = target_probs[node]
-        for child in children[node]:
-            x = tokens[child]
-            q_x = 1.0 if draft_probs is None else float(draft_probs[child - 1][x])
-            if float(torch.rand((), generator=generator)) * q_x < float(p[x]):
-                accepted.append(child)
-                node = child
-                break
-        else:
-            return Verdict(accepted, sample(p, generator))
-
-
 CASES = {
     "chain_sampled": ([1, 1], True, None),
     "chain_deterministic": ([1, 1], False, None),
@@ -150,6 +132,8 @@ CASES = {
     # P-EAGLE: a chain whose every draft comes from its slot's distribution, drawn in one pass.
     "parallel_chain_sampled": ([1, 1], True, None, True),
     "parallel_chain_sampled_draft_vocab": ([1, 1], True, [0, 2], True),
+    # P-EAGLE's tree: depth d branches into slot d's top-k under every parent, deterministic drafts.
+    "parallel_tree_deterministic_topk": ([2, 2], False, None, True),
 }
 
 
@@ -159,7 +143,7 @@ def test_rejection_sampling_is_lossless(case):
 
 
 @pytest.mark.parametrize("case", ["chain_sampled", "tree_deterministic_topk", "chain_sampled_draft_vocab",
-                                  "parallel_chain_sampled"])
+                                  "parallel_chain_sampled", "parallel_tree_deterministic_topk"])
 def test_broken_sampler_fails_the_same_test(case):
     assert run_sampler(broken_verify, *CASES[case]) < SIGNIFICANCE
 

@@ -54,7 +54,7 @@ KIND_DRAFTERS: dict[str, KindDrafters] = {
     "eagle3": KindDrafters(("eagle_tree", "eagle_chain"), eagle_chain),
     "medusa": KindDrafters(("medusa",), medusa_chain),
     "dflash": KindDrafters(("dflash_chain",), dflash_chain),
-    "peagle": KindDrafters(("peagle_chain",), peagle_chain),
+    "peagle": KindDrafters(("peagle_tree", "peagle_chain"), peagle_chain),
 }
 
 

@@ -1,4 +1,5 @@
-"""P-EAGLE drafting (`heads.peagle.PeagleHead`): a chain of K tokens from one head forward.
+"""P-EAGLE drafting (`heads.peagle.PeagleHead`): a chain of K tokens, or a tree over the same K
+slots, from one head forward.
 
 With T committed tokens (root x_{T-1}), the head's committed cache holds positions 0..T-2 as for
 EAGLE-3 (position t: embed(x_{t+1}), fc(aux_t)). One forward feeds the positions that entered the
@@ -11,7 +12,11 @@ forward drops: the committed cache always equals a fresh recompute, as for EAGLE
 
 No slot reads a drafted token, so every draft is drawn from its slot's distribution alone: argmax
 when greedy, else sampled with that distribution reported, which the runtime's rejection sampling
-keeps lossless.
+keeps lossless. For the same reason a tree costs no more than the chain: depth d + 1 may branch
+into slot d's top tokens whatever the parent (as a Medusa tree takes head d's ranked tokens), and
+`PeagleTreeDrafter` picks those nodes per step by the product of the slots' probabilities along
+each path (`slot_tree`). Its drafts are deterministic (top-k), verified with the EAGLE-2 rule, so
+sampling stays lossless as for Medusa's and EAGLE-2's trees.
 """
 from __future__ import annotations
 
@@ -20,6 +25,7 @@ import torch
 from eval.runtime.drafters import Candidates, DraftState
 from eval.runtime.drafters.eagle import EagleDrafter
 from eval.runtime.drafters.lean_head import LeanEagleHead
+from eval.runtime.medusa_trees import build_tree_from_accuracies, choices_to_parents
 from eval.runtime.model import LeanLlama
 from eval.runtime.sampling import probabilities, sample
 from heads.peagle import PeagleHead
@@ -68,7 +74,9 @@ class PeagleDrafter(EagleDrafter):
         self.mask_token = head.config.mask_token_id
 
     @torch.no_grad()
-    def propose(self, state: DraftState) -> Candidates:
+    def slot_logits(self, state: DraftState) -> torch.Tensor:
+        """Commit the rows new since the last verification and draft the mask slots in one forward:
+        (depth, Vd) float logits, row d scoring the draft at depth d + 1."""
         features = self.committed_features(state)  # (A, F) for tokens[T-1-A : T-1]
         count, length = features.shape[0], state.tokens.shape[0]
         start = length - 1 - count
@@ -79,7 +87,11 @@ class PeagleDrafter(EagleDrafter):
                                             self._embed(torch.full((slots,), self.mask_token)),
                                             self.slot_hidden.expand(slots, -1))  # (depth, D)
         self.catch_up_output = out[0]
-        logits = self.runtime.logits(out)  # (depth, Vd)
+        return self.runtime.logits(out)  # (depth, Vd)
+
+    @torch.no_grad()
+    def propose(self, state: DraftState) -> Candidates:
+        logits = self.slot_logits(state)  # (depth, Vd)
         if state.sampling.greedy or self.greedy_drafts:
             return Candidates.chain(self._token_ids(logits.argmax(-1)).tolist())
         q = probabilities(logits, state.sampling)  # (depth, Vd)
@@ -87,8 +99,46 @@ class PeagleDrafter(EagleDrafter):
         return Candidates.chain(tokens, torch.stack([self._full_distribution(row) for row in q]), deterministic=False)
 
 
+class PeagleTreeDrafter(PeagleDrafter):
+    """A tree of total_tokens - 1 nodes over `depth` <= K slots (default K) from the chain's one
+    forward, chosen per step by `slot_tree` from the slots' softmax at temperature 1 (the drafts are
+    deterministic at any sampling temperature, as Medusa's and EAGLE-2's)."""
+
+    def __init__(self, head: PeagleHead, lean: LeanLlama, total_tokens: int = 8, depth: int | None = None):
+        if total_tokens < 2:
+            raise ValueError(f"peagle tree: total_tokens counts the root, so it must be >= 2, got {total_tokens}")
+        super().__init__(head, lean, depth)
+        self.total_tokens = total_tokens
+
+    @torch.no_grad()
+    def propose(self, state: DraftState) -> Candidates:
+        candidates = slot_tree(torch.softmax(self.slot_logits(state), dim=-1), self.total_tokens - 1)
+        candidates.tokens = self._token_ids(candidates.tokens)
+        return candidates
+
+
+def slot_tree(probs: torch.Tensor, count: int) -> Candidates:
+    """The `count` nodes with the largest path probability under independent slot distributions
+    probs (depth, Vd): node path (i0, ..., id) takes slot d's i_d-th most likely column, and its
+    probability is the product of probs[j, i_j]. Ancestor-closed, parents first; tokens are columns
+    of probs. Ranks below `count` suffice: a node's better-ranked siblings outscore it, so a node
+    of rank r comes with r siblings and its parent."""
+    top = probs.topk(min(count, probs.shape[-1]), dim=-1)  # values, indices (depth, width)
+    # The Medusa selection over rank accuracies is the same search: each slot's probability of its
+    # r-th token stands in for head d's accuracy at rank r.
+    choices = build_tree_from_accuracies(top.values.tolist(), count)
+    slots = torch.tensor([len(path) - 1 for path in choices])  # (N,)
+    ranks = torch.tensor([path[-1] for path in choices])  # (N,)
+    return Candidates(top.indices[slots, ranks], torch.tensor(choices_to_parents(choices), dtype=torch.long))
+
+
 def peagle_chain(head: PeagleHead, lean: LeanLlama, depth: int, draft_vocab: torch.Tensor | None = None,
                  greedy_drafts: bool = False) -> PeagleDrafter:
     """The kind's chain (eval/runtime/drafters/kinds.py): `depth` drafts, at most the head's K; the
     head drafts over its own vocabulary (d2t), so `draft_vocab` is not used."""
     return PeagleDrafter(head, lean, min(depth, head.config.speculative_tokens), greedy_drafts)
+
+
+def peagle_tree(head: PeagleHead, lean: LeanLlama, depth: int, total_tokens: int) -> PeagleTreeDrafter:
+    """The kind's tree: total_tokens (root included) over `depth` slots, at most the head's K."""
+    return PeagleTreeDrafter(head, lean, total_tokens, min(depth, head.config.speculative_tokens))
