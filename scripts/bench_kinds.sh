@@ -8,7 +8,7 @@
 # conf/recipe/eagle3_smollm2_135m_corpus.yaml builds (its regenerate stage; shards already written
 # are reused, missing ones are regenerated first). One heavy job at a time: the jobs run in turn.
 # Each job's report is OUT/<recipe>/eval/report.md, vLLM's OUT/engine_k3/report.md (EAGLE-1/2,
-# EAGLE-3 and P-EAGLE at K=3) and OUT/engine_dflash/report.md (DFlash at K=15: vLLM drafts a
+# EAGLE-3, P-EAGLE and Medusa at K=3) and OUT/engine_dflash/report.md (DFlash at K=15: vLLM drafts a
 # DFlash block as 1+K query tokens, so K = block size - 1 is the block the drafter proposes).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -23,13 +23,14 @@ COMMON=(data.max_records="$RECORDS" data.eval_fraction=0.03
         data.regenerate.batch_size=48 trainer.max_minutes="$MINUTES" trainer.max_steps=100000
         trainer.num_threads=2 logger=none runtime.num_prompts="$PROMPTS")
 mkdir -p "$OUT"
-for recipe in eagle_smollm2_135m eagle3_smollm2_135m peagle_smollm2_135m dflash_smollm2_135m; do
+for recipe in eagle_smollm2_135m eagle3_smollm2_135m peagle_smollm2_135m dflash_smollm2_135m medusa_smollm2_135m; do
   echo "$(date -u +%FT%TZ) $recipe"
   $PY -m train +recipe=$recipe "${COMMON[@]}" trainer.output_dir="$OUT/$recipe" > "$OUT/$recipe.log" 2>&1
 done
 echo "$(date -u +%FT%TZ) vLLM"
 $PY scripts/bench_engine.py --head "$OUT/eagle_smollm2_135m/export/native" \
   --head "$OUT/eagle3_smollm2_135m/export/native" --head "$OUT/peagle_smollm2_135m/export/native" \
+  --head "$OUT/medusa_smollm2_135m/export/native" \
   --prompts "$PROMPTS" --tokens 48 --k 3 --no-transformers --out "$OUT/engine_k3" > "$OUT/engine_k3.log" 2>&1
 $PY scripts/bench_engine.py --head "$OUT/dflash_smollm2_135m/export/native" \
   --prompts "$PROMPTS" --tokens 48 --k 15 --no-transformers --out "$OUT/engine_dflash" > "$OUT/engine_dflash.log" 2>&1
