@@ -151,21 +151,21 @@ def cpu_recipes(conf: Path) -> list[str]:
     return sorted(path.stem for path in conf.glob("*smollm2_135m*.yaml"))
 
 
-def replace_block(text: str, block: str, name: str = "the file") -> str:
-    """`text` with the lines between the BEGIN and END markers replaced by `block`."""
+def replace_block(text: str, block: str, name: str = "the file", begin: str = BEGIN, end: str = END) -> str:
+    """`text` with the lines between the `begin` and `end` marker lines replaced by `block`."""
     lines = text.splitlines(keepends=True)
-    begins = [i for i, line in enumerate(lines) if line.strip() == BEGIN]
-    ends = [i for i, line in enumerate(lines) if line.strip() == END]
+    begins = [i for i, line in enumerate(lines) if line.strip() == begin]
+    ends = [i for i, line in enumerate(lines) if line.strip() == end]
     if len(begins) != 1 or len(ends) != 1 or begins[0] > ends[0]:
-        raise SystemExit(f"{name}: needs one line '{BEGIN}' followed by one line '{END}' "
+        raise SystemExit(f"{name}: needs one line '{begin}' followed by one line '{end}' "
                          f"(found {len(begins)} begin line(s) at {[i + 1 for i in begins]}, "
                          f"{len(ends)} end line(s) at {[i + 1 for i in ends]})")
     return "".join(lines[: begins[0] + 1]) + block.rstrip("\n") + "\n" + "".join(lines[ends[0]:])
 
 
-def write_block(path: Path, block: str) -> None:
+def write_block(path: Path, block: str, begin: str = BEGIN, end: str = END) -> None:
     """Rewrite the marked block of `path` in place (atomically: a temporary file, then a rename)."""
-    new = replace_block(path.read_text(encoding="utf-8"), block, str(path))
+    new = replace_block(path.read_text(encoding="utf-8"), block, str(path), begin, end)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     tmp.write_text(new, encoding="utf-8")
     os.replace(tmp, path)

@@ -1,0 +1,130 @@
+"""The head-kinds table: every kind trained on the same data and minutes (scripts/bench_kinds.sh),
+measured in our runtime and in vLLM, read from the files the runs wrote, so no figure is typed by hand.
+
+    python scripts/kinds_table.py runs/kinds                      # print the table
+    python scripts/kinds_table.py runs/kinds --write README.md    # rewrite the marked block in place
+
+Reads OUT/<recipe>/job_summary.json (training and the eval stage), OUT/engine_*/report.json (vLLM
+beside our chain at the engine's K) and, when present, OUT/draft_cost.json
+(scripts/bench_draft_cost.py: each kind's draft cost per step in EAGLE head forwards). `--write
+FILE` replaces what lies between the lines `<!-- kinds:begin -->` and `<!-- kinds:end -->` of FILE.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from scripts.results_table import write_block  # noqa: E402
+
+BEGIN, END = "<!-- kinds:begin -->", "<!-- kinds:end -->"
+KINDS = {"eagle_smollm2_135m": "EAGLE-1/2", "eagle3_smollm2_135m": "EAGLE-3", "peagle_smollm2_135m": "P-EAGLE",
+         "dflash_smollm2_135m": "DFlash", "medusa_smollm2_135m": "Medusa"}
+HEAD_DRAFTERS = ("eagle", "peagle", "dflash", "medusa")
+COLUMNS = ["kind", "training steps", "held-out top-1 (first position)", "our runtime: drafter, τ",
+           "draft ms / step (EAGLE head forwards)", "vs plain (ours)", "vLLM: K, first position, mean length",
+           "vs plain (vLLM)"]
+
+
+def _read(path: Path) -> dict | None:
+    try:
+        return json.loads(path.read_text()) if path.is_file() else None
+    except json.JSONDecodeError as error:
+        raise SystemExit(f"{path}: not valid JSON ({error})") from None
+
+
+def _fmt(value, digits: int = 2, suffix: str = "") -> str:
+    return "–" if value is None else f"{value:.{digits}f}{suffix}"
+
+
+def _best_head_row(report: dict) -> dict | None:
+    """The eval stage's fastest row among the drafters that run the trained head."""
+    rows = [r for r in report.get("drafters", []) if not r.get("sweep") and r["name"].startswith(HEAD_DRAFTERS)]
+    return max(rows, key=lambda r: r.get("speedup_vs_plain") or 0.0, default=None)
+
+
+def engine_rows(out: Path) -> dict[str, dict]:
+    """recipe -> its head's vLLM figures, from every engine report under `out`."""
+    found = {}
+    for path in sorted(out.glob("engine_*/report.json")):
+        report = _read(path)
+        for head in report.get("heads", []):
+            recipe = next((name for name in KINDS if f"/{name}/" in f"/{head['head']}/"), None)
+            if recipe is not None:
+                found[recipe] = {"k": report["k"], "engine": head["rows"]["engine"],
+                                 "speed": head["speed"]["engine_speculative"], "version": report.get("engine_version"),
+                                 "agreement": head["agreement"]}
+    return found
+
+
+def draft_costs(out: Path) -> dict[tuple[str, str], dict]:
+    """(recipe, drafter) -> scripts/bench_draft_cost.py's row, with the EAGLE head forward it counts in."""
+    data = _read(out / "draft_cost.json") or {}
+    unit = data.get("eagle_head_forward_ms")
+    found = {}
+    for row in data.get("rows", []):
+        recipe = next((name for name in KINDS if f"/{name}/" in f"/{row['head']}/"), None)
+        if recipe is not None:
+            found[(recipe, row["drafter"])] = {**row, "forwards": row["draft_ms_per_step"] / unit if unit else None}
+    return found
+
+
+def table(out: Path) -> tuple[str, list[str]]:
+    """The markdown table and the notes under it (CPU, dtype, what each column measured)."""
+    engines, costs = engine_rows(out), draft_costs(out)
+    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + " --- |" * len(COLUMNS)]
+    hardware, dtypes = set(), set()
+    for recipe, kind in KINDS.items():
+        summary = _read(out / recipe / "job_summary.json")
+        if summary is None:
+            lines.append(f"| {kind} | not run |" + " – |" * (len(COLUMNS) - 2))
+            continue
+        train = summary.get("train") or {}
+        report = summary.get("eval") or _read(out / recipe / "eval" / "report.json") or {}
+        held_out = train.get("final_eval") or {}
+        first = held_out.get("eval/top1_step0", held_out.get("eval/top1_head0"))
+        row = _best_head_row(report)
+        hardware.add(train.get("hardware") or summary.get("hardware"))
+        dtypes.add(((report.get("dtype") or {}).get("chosen")))
+        cost = costs.get((recipe, row["name"])) if row else None
+        draft = "–" if row is None else _fmt(row.get("draft_ms_per_step"), 1)
+        if cost is not None:  # every step drafting (no gate), same run for every kind
+            draft = f"{cost['draft_ms_per_step']:.1f} ({_fmt(cost['forwards'])})"
+        engine = engines.get(recipe)
+        vllm = "–" if engine is None else (
+            f"K={engine['k']}: {engine['engine']['accepted_per_position'][0]:.3f}, "
+            f"{engine['engine']['mean_acceptance_length']:.2f}")
+        lines.append("| " + " | ".join([
+            kind, f"{train.get('steps', '–')} ({train.get('stopped', '–')})", _fmt(first, 3),
+            "–" if row is None else f"`{row['name']}` {_fmt(row.get('tau'))}", draft,
+            "–" if row is None else _fmt(row.get("speedup_vs_plain"), 2, "x"), vllm,
+            "–" if engine is None else _fmt(engine["speed"].get("speedup_vs_plain"), 2, "x")]) + " |")
+    notes = [f"Hardware: {', '.join(sorted(h for h in hardware if h))}; runtime dtype "
+             f"{', '.join(sorted(d for d in dtypes if d))}; run folder `{out}`."]
+    return "\n".join(lines), notes
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("out", type=Path, nargs="?", default=Path("runs/kinds"), help="bench_kinds.sh's OUT folder")
+    parser.add_argument("--write", type=Path, help="markdown file whose kinds block is rewritten")
+    args = parser.parse_args()
+    if not args.out.is_dir():
+        raise SystemExit(f"{args.out}: no such folder (run scripts/bench_kinds.sh first)")
+    body, notes = table(args.out)
+    block = (f"<!-- generated by `python scripts/kinds_table.py {args.out} --write FILE`; edits here are "
+             f"overwritten -->\n{body}\n\n" + "\n".join(notes) + "\n")
+    if args.write:
+        write_block(args.write, block, BEGIN, END)
+        print(f"{args.write}: kinds block rewritten")
+    else:
+        print(block)
+
+
+if __name__ == "__main__":
+    main()
