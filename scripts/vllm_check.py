@@ -72,6 +72,9 @@ def run_one(job: dict, case: dict | None) -> dict:
                             ignore_eos=False)
     tokens, per_prompt, seconds = [], [], []
     count = (case or {}).get("prompts") or len(job["prompts"])
+    # first-call overheads (kernel selection, allocations) are paid here, outside the timed requests
+    llm.generate([TokensPrompt(prompt_token_ids=list(job["prompts"][0]))],
+                 SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)
     for prompt in job["prompts"][:count]:  # one request at a time: no batch shapes in the numerics
         before = counters(llm) if case is not None else None
         start = time.perf_counter()

@@ -41,7 +41,9 @@ def out(tmp_path: Path) -> Path:
     _write(out / "engine_k3" / "report.json", {"k": 3, "engine_version": "0.x", "heads": heads})
     _write(out / "draft_cost.json", {"eagle_head_forward_ms": 5.0, "rows": [
         {"head": str(out / "dflash_smollm2_135m" / "export" / "native"), "drafter": "dflash_chain",
-         "draft_ms_per_step": 6.0}]})
+         "draft_ms_per_step": 6.0, "tau": 1.5, "speedup_est": 1.4},
+        {"head": str(out / "dflash_smollm2_135m" / "export" / "native"), "drafter": "eagle_chain@1",
+         "draft_ms_per_step": 1.0, "tau": 1.1, "speedup_est": 9.9}]})
     return out
 
 
@@ -52,6 +54,8 @@ def test_rows_come_from_the_runs(out: Path):
     assert "K=3: 0.410, 1.71" in lines["EAGLE-1/2"] and "1.07x" in lines["EAGLE-1/2"]
     assert "| 9.0 |" in lines["EAGLE-1/2"]  # the eval stage's draft cost when no draft-cost run measured it
     assert "6.0 (1.20)" in lines["DFlash"]  # 6 ms = 1.2 EAGLE head forwards of 5 ms
+    # the one-run figures replace the eval stage's; the one-token chain is the unit, never the pick
+    assert "`dflash_chain` 1.50" in lines["DFlash"] and "1.40x" in lines["DFlash"] and "9.90x" not in lines["DFlash"]
     assert "not run" in lines["EAGLE-3"] and "not run" in lines["P-EAGLE"]
     assert "CPU Test (AMX), 2 threads" in notes[0] and "bfloat16" in notes[0]
 

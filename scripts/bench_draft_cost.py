@@ -1,0 +1,137 @@
+"""What one speculative step's drafting costs for each head kind, in one run, on the same prompts
+and the same lean target: the draft cost per step (propose + accept, ms), the verification beside it,
+and that draft cost in EAGLE head forwards (the EAGLE-1/2 head drafting a chain of one token: one
+head forward over the new token, and the accept step's refresh of the head over what was accepted).
+
+    .venv/bin/python scripts/bench_draft_cost.py --head runs/kinds/eagle_smollm2_135m/export/native \
+        --head runs/kinds/dflash_smollm2_135m/export/native [--prompts 4] [--tokens 48] [--threads 2] \
+        [--json FILE]
+
+Each head runs its kind's chain drafter (`eagle_chain` at runtime.chain_depth, `peagle_chain`,
+`dflash_chain`), `peagle_tree` and `medusa` where the head is of that kind, with the fallback gate
+off so every step drafts; the EAGLE heads also run `eagle_chain` at depth 1, the unit the draft costs
+are counted in. Prompts are the held-out prompts of the default data (as scripts/bench_engine.py
+takes them); greedy output is checked against plain decoding. Each time is the median step (the
+mean beside it in --json). Rows of one run compare; on a machine
+shared with another job no figure does (docs/performance.md).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import statistics
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+TREE_TOKENS = 8  # the EAGLE and P-EAGLE trees verify the same number of tokens (root included)
+KIND_DRAFTERS = ("eagle_chain", "eagle_tree", "peagle_chain", "peagle_tree", "dflash_chain", "medusa")
+
+
+def _mean_ms(values: list[float]) -> float:
+    return 1000.0 * sum(values) / max(len(values), 1)
+
+
+def _median_ms(values: list[float]) -> float:
+    return 1000.0 * statistics.median(values) if values else 0.0
+
+
+def measure(lean, drafter, prompts, tokens: int, sampling, eos, reference, plain_ms: float) -> dict:
+    """One drafter over `prompts`: per speculative step its draft and verify time (the median step,
+    which a burst of another tenant's load on a shared host does not move; the mean beside it), τ,
+    and whether the output equals plain greedy decoding."""
+    from eval.runtime.generate import speculative_generate
+
+    results = [speculative_generate(lean, drafter, p, tokens, sampling, eos) for p in prompts]
+    draft = [t for r in results for t in r.draft_times]
+    verify = [t for r in results for t in r.verify_times]
+    accepted = [a for r in results for a in r.accepted]
+    return {"steps": len(accepted), "tau": sum(a + 1 for a in accepted) / max(len(accepted), 1),
+            "draft_ms_per_step": _median_ms(draft), "verify_ms_per_step": _median_ms(verify),
+            "draft_ms_mean": _mean_ms(draft), "verify_ms_mean": _mean_ms(verify),
+            "mean_tree_size": sum(s for r in results for s in r.tree_sizes) / max(len(accepted), 1),
+            "greedy_identical": [r.tokens for r in results] == reference,
+            # what the median step gives: τ tokens for one draft and one verification, against plain steps
+            "speedup_est": (sum(a + 1 for a in accepted) / max(len(accepted), 1)) * plain_ms
+            / max(_median_ms(draft) + _median_ms(verify), 1e-9)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--head", action="append", type=Path, required=True, help="head or export folder (repeat)")
+    parser.add_argument("--prompts", type=int, default=4)
+    parser.add_argument("--tokens", type=int, default=48)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
+    parser.add_argument("--json", type=Path, help="write the figures here too")
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+    import torch
+
+    from data.config import DataConfig
+    from eval.config import RuntimeConfig
+    from eval.prepare import prepare_target, runtime_sizes
+    from eval.run import build_methods
+    from eval.runtime.drafters.kinds import drafters_for
+    from eval.runtime.generate import plain_generate
+    from eval.runtime.sampling import SamplingConfig
+    from eval.stage import eval_prompt_ids, load_eval_head
+    from eval.timing import cpu_hardware
+    from heads.target import TargetConfig, load_target
+
+    torch.set_num_threads(args.threads)
+    runtime = RuntimeConfig(max_new_tokens=args.tokens, num_prompts=args.prompts, dtype=args.dtype,
+                            threads=args.threads, fallback=False, compare_transformers=False,
+                            tree_total_tokens=TREE_TOKENS, tree_sweep=[], peagle_tree_tokens=TREE_TOKENS)
+    target = load_target(TargetConfig(device="cpu"))
+    prompts = [torch.tensor(p) for p in eval_prompt_ids(runtime, DataConfig(), target.tokenizer)]
+    eos = [target.tokenizer.eos_token_id]
+    sampling = SamplingConfig(0.0)
+    max_len = max(len(p) for p in prompts) + args.tokens + 80
+    lean, _, setup = prepare_target(target.model, runtime, sorted({*runtime_sizes(runtime, KIND_DRAFTERS), 16}),
+                                    prompts[0], max_len)
+    plain_generate(lean, prompts[0][:8], 4, sampling, eos)  # first-call overheads
+    plain = [plain_generate(lean, p, args.tokens, sampling, eos) for p in prompts]
+    reference = [r.tokens for r in plain]
+    plain_ms = 1000.0 * statistics.median(r.decode_time / max(len(r.tokens) - 1, 1) for r in plain)  # median prompt
+    rows = []
+    for folder in args.head:
+        head, _ = load_eval_head(folder, target)
+        head = head.to(lean.output_device)
+        names = [n for n in KIND_DRAFTERS if n in drafters_for(head)]
+        runs = [(runtime, n, f"{n}@{TREE_TOKENS}" if n == "eagle_tree" else n) for n in names]
+        if "eagle_chain" in names:
+            runs.append((dataclasses.replace(runtime, chain_depth=1), "eagle_chain", "eagle_chain@1"))
+        for settings, name, label in runs:
+            methods, _ = build_methods([name], settings, lean, head, prompts, eos)
+            row = measure(lean, methods[-1].build(), prompts, args.tokens, sampling, eos, reference, plain_ms)
+            rows.append({"head": str(folder), "head_type": type(head).__name__, "drafter": label, **row})
+            print(f"{folder}  {label:14s} draft {row['draft_ms_per_step']:6.1f} ms  verify "
+                  f"{row['verify_ms_per_step']:6.1f} ms  tau {row['tau']:.2f}  est {row['speedup_est']:.2f}x  tree {row['mean_tree_size']:.1f}  "
+                  f"greedy identical {row['greedy_identical']}", flush=True)
+    unit = next((r["draft_ms_per_step"] for r in rows if r["drafter"] == "eagle_chain@1"
+                 and r["head_type"] == "EagleHead"), None)
+    hardware, dtype = cpu_hardware(), setup.get("dtype", {}).get("chosen", args.dtype)
+    lines = [f"Draft cost per speculative step, {len(prompts)} held-out prompts x {args.tokens} tokens, greedy, "
+             f"{dtype}, {hardware}; median step of each drafter; plain decode step {plain_ms:.1f} ms (mean).", "",
+             "| head | drafter | draft ms/step | in EAGLE head forwards | verify ms/step | tree size | τ | vs plain | greedy identical |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for row in rows:
+        forwards = "–" if unit is None else f"{row['draft_ms_per_step'] / unit:.2f}"
+        lines.append(f"| {row['head_type']} | {row['drafter']} | {row['draft_ms_per_step']:.1f} | {forwards} | "
+                     f"{row['verify_ms_per_step']:.1f} | {row['mean_tree_size']:.1f} | {row['tau']:.2f} | "
+                     f"{row['speedup_est']:.2f}x | {row['greedy_identical']} |")
+    print("\n".join(lines))
+    if args.json:
+        args.json.write_text(json.dumps({"hardware": hardware, "dtype": dtype, "plain_ms_per_step": plain_ms,
+                                         "eagle_head_forward_ms": unit, "rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
