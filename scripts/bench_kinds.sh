@@ -10,6 +10,9 @@
 # Each job's report is OUT/<recipe>/eval/report.md, vLLM's OUT/engine_k3/report.md (EAGLE-1/2,
 # EAGLE-3, P-EAGLE and Medusa at K=3) and OUT/engine_dflash/report.md (DFlash at K=15: vLLM drafts a
 # DFlash block as 1+K query tokens, so K = block size - 1 is the block the drafter proposes).
+# Then every kind's drafters run in one process on the same prompts (OUT/draft_cost.json, from
+# scripts/bench_draft_cost.py: draft cost per step in EAGLE head forwards) and
+# scripts/kinds_table.py prints the table of all of it.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 MINUTES=${1:-3}
@@ -34,4 +37,8 @@ $PY scripts/bench_engine.py --head "$OUT/eagle_smollm2_135m/export/native" \
   --prompts "$PROMPTS" --tokens 48 --k 3 --no-transformers --out "$OUT/engine_k3" > "$OUT/engine_k3.log" 2>&1
 $PY scripts/bench_engine.py --head "$OUT/dflash_smollm2_135m/export/native" \
   --prompts "$PROMPTS" --tokens 48 --k 15 --no-transformers --out "$OUT/engine_dflash" > "$OUT/engine_dflash.log" 2>&1
+echo "$(date -u +%FT%TZ) draft cost"
+$PY scripts/bench_draft_cost.py $(for r in eagle eagle3 peagle dflash medusa; do echo --head "$OUT/${r}_smollm2_135m/export/native"; done) \
+  --prompts "$PROMPTS" --tokens 48 --json "$OUT/draft_cost.json" > "$OUT/draft_cost.log" 2>&1
 echo "$(date -u +%FT%TZ) done"
+$PY scripts/kinds_table.py "$OUT"
