@@ -6,7 +6,9 @@
 #
 # The data is the first RECORDS conversations of the self-distilled corpus that
 # conf/recipe/eagle3_smollm2_135m_corpus.yaml builds (its regenerate stage; shards already written
-# are reused, missing ones are regenerated first). One heavy job at a time: the jobs run in turn.
+# are reused, missing ones are regenerated first). Each kind's warmup and decay are laid over its
+# MINUTES (trainer.schedule_clock=minutes): kinds differ in step time, so no step count is equal
+# for all. One heavy job at a time: the jobs run in turn.
 # Each job's report is OUT/<recipe>/eval/report.md, vLLM's OUT/engine_k3/report.md (EAGLE-1/2,
 # EAGLE-3, P-EAGLE and Medusa at K=3) and OUT/engine_dflash/report.md (DFlash at K=15: vLLM drafts a
 # DFlash block as 1+K query tokens, so K = block size - 1 is the block the drafter proposes).
@@ -23,7 +25,7 @@ PY=.venv/bin/python
 export OMP_WAIT_POLICY=PASSIVE
 COMMON=(data.max_records="$RECORDS" data.eval_fraction=0.03
         data.regenerate.output_dir=runs/regenerated/sharegpt_first_exchange data.regenerate.generator=lean
-        data.regenerate.batch_size=48 trainer.max_minutes="$MINUTES" trainer.max_steps=100000
+        data.regenerate.batch_size=48 trainer.max_minutes="$MINUTES" trainer.max_steps=100000 trainer.schedule_clock=minutes
         trainer.num_threads=2 logger=none runtime.num_prompts="$PROMPTS")
 mkdir -p "$OUT"
 for recipe in eagle_smollm2_135m eagle3_smollm2_135m peagle_smollm2_135m dflash_smollm2_135m medusa_smollm2_135m; do

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from heads.checks import choice, fraction, positive
 
 SCHEDULES = ("cosine", "linear", "constant")  # trainer.schedule (train.loop.lr_factor)
+SCHEDULE_CLOCKS = ("steps", "minutes")  # trainer.schedule_clock (train.loop.budget_fraction)
 MIXED_PRECISION = ("auto", "no", "bf16", "fp16")  # trainer.mixed_precision (train.distributed)
 LOGGER_KINDS = ("wandb", "none")  # logger.kind (train.metrics)
 LOGGER_MODES = ("offline", "online", "disabled")  # logger.mode
@@ -24,7 +25,12 @@ class TrainerConfig:
     schedule: str = "cosine"  # cosine | linear | constant
     warmup_ratio: float = 0.05
     max_steps: int = 200
-    max_minutes: float | None = None  # wall-clock budget; the schedule is laid out over max_steps
+    max_minutes: float | None = None  # wall-clock budget
+    # what the warmup and decay are laid out over: "steps" (max_steps), or "minutes": whichever of
+    # max_steps and max_minutes the run is nearer to spending, so a run the clock stops still decays
+    # to 0 (runs whose step time is not known in advance: a loaded machine, kinds compared at equal
+    # minutes). "minutes" needs max_minutes and is not reproducible step for step.
+    schedule_clock: str = "steps"
     batch_size: int = 4  # sequences per micro-batch per process
     grad_accumulation: int = 1
     max_grad_norm: float = 0.5
@@ -53,6 +59,9 @@ class TrainerConfig:
         fraction(f"{key}.adam_beta1", self.adam_beta1, low_open=False, high_open=True)
         fraction(f"{key}.adam_beta2", self.adam_beta2, low_open=False, high_open=True)
         choice(f"{key}.schedule", self.schedule, SCHEDULES)
+        choice(f"{key}.schedule_clock", self.schedule_clock, SCHEDULE_CLOCKS)
+        if self.schedule_clock == "minutes" and self.max_minutes is None:
+            raise ValueError(f"{key}.schedule_clock=minutes lays the schedule over {key}.max_minutes, which is not set")
         choice(f"{key}.mixed_precision", self.mixed_precision, MIXED_PRECISION)
 
 

@@ -63,6 +63,29 @@ def lr_factor(step: int, warmup_steps: int, total_steps: int, schedule: str) -> 
     raise ValueError(f"trainer.schedule={schedule!r} is not one of {sorted(SCHEDULES)}")
 
 
+def budget_fraction(step: int, max_steps: int, elapsed_seconds: float, max_minutes: float | None) -> float:
+    """How much of the run's budget is spent after `step` optimizer steps and `elapsed_seconds`: the
+    larger of the step and the wall-clock fractions (trainer.schedule_clock=minutes), in [0, 1]."""
+    by_clock = elapsed_seconds / (60.0 * max_minutes) if max_minutes else 0.0
+    return min(1.0, max(step / max_steps, by_clock))
+
+
+def lr_factor_by_budget(fraction: float, warmup_ratio: float, max_steps: int, schedule: str) -> float:
+    """lr_factor over the budget fraction instead of the step: linear warmup over the first
+    warmup_ratio of the budget (never below one step's share, so the first step learns), then the
+    decay over the rest."""
+    if warmup_ratio > 0 and fraction < warmup_ratio:
+        return min(1.0, max(fraction, 1.0 / max_steps) / warmup_ratio)
+    if schedule == "constant":
+        return 1.0
+    progress = min(1.0, (fraction - warmup_ratio) / max(1e-9, 1.0 - warmup_ratio))
+    if schedule == "cosine":
+        return 0.5 * (1.0 + math.cos(math.pi * progress))
+    if schedule == "linear":
+        return 1.0 - progress
+    raise ValueError(f"trainer.schedule={schedule!r} is not one of {sorted(SCHEDULES)}")
+
+
 def build_head_for_job(job, target, kind: HeadKind | None = None, vocab: torch.Tensor | None = None):
     """(head, head config): from trainer.init_from (a checkpoint or any export folder, read by
     `export.load_export` in float32), else fresh: the head kind's build, initialised from the
@@ -123,8 +146,13 @@ def train_heads(job, target, data, source: FeatureSource | None = None, accelera
     optimizer = torch.optim.AdamW(kind.param_groups(head, t.learning_rate), lr=t.learning_rate,
                                   betas=(t.adam_beta1, t.adam_beta2), weight_decay=t.weight_decay)
     warmup = int(t.warmup_ratio * t.max_steps)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda s: lr_factor(s, warmup, t.max_steps, t.schedule))
+    clock = {"fraction": 0.0}  # budget spent (schedule_clock=minutes), the same on every process
+    if t.schedule_clock == "minutes":
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor_by_budget(
+            max(clock["fraction"], s / t.max_steps), t.warmup_ratio, t.max_steps, t.schedule))
+    else:
+        scheduler = torch.optim.lr_scheduler.LambdaLR(
+            optimizer, lambda s: lr_factor(s, warmup, t.max_steps, t.schedule))
 
     def reduce(tensor):
         return accelerator.reduce(tensor, "sum") if world > 1 else tensor
@@ -161,6 +189,7 @@ def train_heads(job, target, data, source: FeatureSource | None = None, accelera
         state.update({k: checkpoint["state"][k] for k in state if k in checkpoint["state"]})
         stream.load_position(checkpoint["state"]["data_position"])
         scheduler.load_state_dict(checkpoint["scheduler"])
+        clock["fraction"] = budget_fraction(state["step"], t.max_steps, state["elapsed_seconds"], t.max_minutes)
     head, optimizer = accelerator.prepare(head, optimizer)
     if checkpoint is not None:
         restore_head_state(accelerator, head, optimizer, checkpoint["optimizer"])
@@ -251,6 +280,9 @@ def train_heads(job, target, data, source: FeatureSource | None = None, accelera
             step = state["step"]
             state["elapsed_seconds"] = start_elapsed + time.time() - start_time
             over_budget = t.max_minutes is not None and state["elapsed_seconds"] > 60 * t.max_minutes
+            if t.schedule_clock == "minutes":  # processes' clocks differ by ms: all use their mean
+                mean_elapsed = float(reduce(torch.tensor(state["elapsed_seconds"], device=device))) / world
+                clock["fraction"] = budget_fraction(step, t.max_steps, mean_elapsed, t.max_minutes)
             over_budget = bool(reduce(torch.tensor(float(over_budget), device=device)) > 0)
             last = step >= t.max_steps or over_budget
             if step % t.log_every == 0 or last:

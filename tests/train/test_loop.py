@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from heads.io import load_head
-from train.loop import TrainingDiverged, lr_factor, train_heads
+from train.loop import TrainingDiverged, budget_fraction, lr_factor, lr_factor_by_budget, train_heads
 from train.objectives import OnlineFeatures
 from tests.tiny import tiny_target
 from tests.train.loop_fixtures import tiny_data, tiny_job
@@ -31,6 +31,44 @@ def test_lr_schedule():
     assert lr_factor(12, 4, 20, "linear") == pytest.approx(0.5)
     assert lr_factor(20, 4, 20, "linear") == 0.0 and lr_factor(19, 0, 20, "constant") == 1.0
     assert lr_factor(4 + 4, 4, 20, "cosine") == pytest.approx(0.5 * (1 + math.cos(math.pi / 4)))
+
+
+def test_lr_schedule_over_the_budget():
+    """schedule_clock=minutes: the same shape laid over the larger of the step and clock fractions."""
+    assert budget_fraction(10, 100, 30.0, 1.0) == 0.5 and budget_fraction(80, 100, 30.0, 1.0) == 0.8
+    assert budget_fraction(10, 100, 600.0, 1.0) == 1.0 and budget_fraction(10, 100, 600.0, None) == 0.1
+    assert lr_factor_by_budget(0.0, 0.2, 20, "cosine") == 0.25  # one step's share, as lr_factor's first step
+    assert lr_factor_by_budget(0.1, 0.2, 20, "cosine") == pytest.approx(0.5)
+    assert lr_factor_by_budget(0.6, 0.2, 20, "cosine") == pytest.approx(0.5)
+    assert lr_factor_by_budget(0.6, 0.2, 20, "linear") == pytest.approx(0.5)
+    assert lr_factor_by_budget(1.0, 0.2, 20, "cosine") == pytest.approx(0.0)
+    assert lr_factor_by_budget(0.9, 0.0, 20, "constant") == 1.0
+    decay = [lr_factor_by_budget(f / 20, 0.2, 20, "cosine") for f in range(4, 21)]
+    assert decay[0] == 1.0 and all(a > b for a, b in zip(decay, decay[1:]))
+
+
+def test_a_run_the_clock_stops_still_decays(tmp_path, monkeypatch):
+    """With schedule_clock=minutes a run ended by max_minutes long before max_steps has decayed its
+    rate to ~0 by the end; laid over max_steps the same run would still be warming up."""
+    import train.loop as loop
+
+    fake = {"now": 1000.0}
+
+    def clock():  # every reading advances the run's clock by 0.1 s
+        fake["now"] += 0.1
+        return fake["now"]
+
+    monkeypatch.setattr(loop.time, "time", clock)
+    job = tiny_job(tmp_path, max_steps=100000, max_minutes=0.1, schedule_clock="minutes", eval_every=1000,
+                   save_every=1000, warmup_ratio=0.1)
+    result = train_heads(job, tiny_target(), tiny_data())
+    lrs = _metrics(tmp_path, "train/lr")
+    peak, rate = max(lrs.values()), job.trainer.learning_rate
+    assert result.stopped == "max_minutes" and 8 < result.steps < 1000
+    assert peak > 0.9 * rate  # warmed up over the first tenth of the minutes, not of the 100,000 steps
+    assert lrs[result.steps] < 0.05 * rate  # and decayed by the end
+    with pytest.raises(ValueError, match="schedule_clock=minutes"):
+        tiny_job(tmp_path / "b", schedule_clock="minutes").trainer.check()
 
 
 @pytest.mark.parametrize("kind", ["eagle", "eagle3", "medusa"])
