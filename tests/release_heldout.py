@@ -73,6 +73,20 @@ def make_held_out(target, name: str) -> Path:
         picked.append(record)
         if len(picked) == wanted:
             break
+    corpus = Path(data.regenerate.output_dir) / "regenerated.jsonl"
+    if corpus.is_file():  # the replies the job trained on, where the corpus it regenerated is on this machine
+        wanted_ids = {record["id"] for record in picked}
+        lines = {}
+        with open(corpus, encoding="utf-8") as handle:
+            for line in handle:
+                record_id = json.loads(line)["id"]
+                if record_id in wanted_ids:
+                    lines[record_id] = line if line.endswith("\n") else line + "\n"
+        if len(lines) == len(picked):
+            tmp = path.with_suffix(".jsonl.tmp")
+            tmp.write_text("".join(lines[record["id"]] for record in picked), encoding="utf-8")
+            tmp.replace(path)
+            return path
     config = dataclasses.replace(data.regenerate, shard_size=len(picked))
     pad = target.config.pad_token_id if target.config.pad_token_id is not None else 0
     with tempfile.TemporaryDirectory() as scratch:
@@ -87,8 +101,9 @@ def make_held_out(target, name: str) -> Path:
 def evaluate_release(target, name: str, cache_dir: Path | None = None, features_target=None) -> tuple[dict, dict]:
     """(held-out figures of release head `name` on its held-out file, the figures its manifest records).
     cache_dir: where the conversations' Arrow copy goes (default: the specheads cache).
-    features_target: the target whose forward gives the features (default `target`; a bf16 copy
-    to see what bf16 features change), read as fp32."""
+    features_target: the target whose forward gives the features, read as fp32 (default: `target`
+    in the dtype the head's training used, its manifest's training.target_dtype; a bf16 copy to see
+    what bf16 features change)."""
     from data.pipeline import tokenize_conversations
     from data.sources import load_conversations
     from export.validate import load_export
@@ -105,6 +120,11 @@ def evaluate_release(target, name: str, cache_dir: Path | None = None, features_
     if skipped:
         raise ValueError(f"{path}: rows skipped while tokenizing: {skipped}")
     head, _, manifest = load_export(release_dir(name), target, dtype="float32")
+    if features_target is None and ((manifest["training"].get("target_dtype") or {}).get("dtype") == "bfloat16"):
+        import copy
+
+        features_target = copy.deepcopy(target)
+        features_target.model.to(torch.bfloat16)
     kind = head_kind(job.heads)
     pad = target.config.pad_token_id if target.config.pad_token_id is not None else 0
     batches = eval_batches(rows, job.trainer.batch_size, 1, 0, job.trainer.eval_batches, pad, target.device)
@@ -123,7 +143,7 @@ def compare_feature_dtypes(target, name: str) -> dict:
 
     bf16 = copy.deepcopy(target)
     bf16.model.to(torch.bfloat16)
-    fp32_figures, _ = evaluate_release(target, name)
+    fp32_figures, _ = evaluate_release(target, name, features_target=target)
     bf16_figures, _ = evaluate_release(target, name, features_target=bf16)
     n = int(fp32_figures["eval/positions"])
     rows = {}

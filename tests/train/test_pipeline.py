@@ -91,6 +91,10 @@ def test_an_export_credits_the_data_the_head_trained_on(tiny_chat_model, tmp_pat
                          f"export.out={tmp_path / 'x'}"))
     training = json.loads((tmp_path / "x" / "native" / "specheads.json").read_text())["training"]
     assert (training["train_records"], training["train_tokens"]) == (trained["records"], trained["tokens"])
+    # the frozen target's dtype for the features, so a re-evaluation computes them as training did
+    summary = json.loads((tmp_path / "run" / "job_summary.json").read_text())
+    assert training["target_dtype"]["dtype"] in ("float32", "bfloat16")
+    assert training["target_dtype"] == summary["train"]["target_dtype"]
 
 
 @pytest.mark.integration
