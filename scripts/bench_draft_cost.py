@@ -119,7 +119,7 @@ def main() -> None:
                  and r["head_type"] == "EagleHead"), None)
     hardware, dtype = cpu_hardware(), setup.get("dtype", {}).get("chosen", args.dtype)
     lines = [f"Draft cost per speculative step, {len(prompts)} held-out prompts x {args.tokens} tokens, greedy, "
-             f"{dtype}, {hardware}; median step of each drafter; plain decode step {plain_ms:.1f} ms (mean).", "",
+             f"{dtype}, {hardware}; median step of each drafter; plain decode step {plain_ms:.1f} ms (median prompt).", "",
              "| head | drafter | draft ms/step | in EAGLE head forwards | verify ms/step | tree size | τ | vs plain | greedy identical |",
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for row in rows:
