@@ -98,6 +98,15 @@ def make_held_out(target, name: str) -> Path:
     return path
 
 
+def _bf16_copy(target):
+    """A copy of the frozen target computing in bf16 (the original untouched)."""
+    import copy
+
+    bf16 = copy.deepcopy(target)
+    bf16.model.to(torch.bfloat16)
+    return bf16
+
+
 def evaluate_release(target, name: str, cache_dir: Path | None = None, features_target=None) -> tuple[dict, dict]:
     """(held-out figures of release head `name` on its held-out file, the figures its manifest records).
     cache_dir: where the conversations' Arrow copy goes (default: the specheads cache).
@@ -120,11 +129,8 @@ def evaluate_release(target, name: str, cache_dir: Path | None = None, features_
     if skipped:
         raise ValueError(f"{path}: rows skipped while tokenizing: {skipped}")
     head, _, manifest = load_export(release_dir(name), target, dtype="float32")
-    if features_target is None and ((manifest["training"].get("target_dtype") or {}).get("dtype") == "bfloat16"):
-        import copy
-
-        features_target = copy.deepcopy(target)
-        features_target.model.to(torch.bfloat16)
+    if features_target is None and (manifest["training"].get("target_dtype") or {}).get("dtype") == "bfloat16":
+        features_target = _bf16_copy(target)
     kind = head_kind(job.heads)
     pad = target.config.pad_token_id if target.config.pad_token_id is not None else 0
     batches = eval_batches(rows, job.trainer.batch_size, 1, 0, job.trainer.eval_batches, pad, target.device)
@@ -138,11 +144,9 @@ def compare_feature_dtypes(target, name: str) -> dict:
     """Held-out top-1 of release head `name` with the target's features computed in fp32 and in
     bf16 (a bf16 copy of the target, the head in fp32), beside the held-out set's standard error
     sqrt(p(1-p)/n) over its n positions."""
-    import copy
     import math
 
-    bf16 = copy.deepcopy(target)
-    bf16.model.to(torch.bfloat16)
+    bf16 = _bf16_copy(target)
     fp32_figures, _ = evaluate_release(target, name, features_target=target)
     bf16_figures, _ = evaluate_release(target, name, features_target=bf16)
     n = int(fp32_figures["eval/positions"])

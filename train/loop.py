@@ -53,9 +53,13 @@ def lr_factor(step: int, warmup_steps: int, total_steps: int, schedule: str) -> 
     over warmup_steps, then cosine or linear decay to 0 at total_steps, or constant."""
     if warmup_steps > 0 and step < warmup_steps:
         return (step + 1) / warmup_steps
+    return _decay(min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps)), schedule)
+
+
+def _decay(progress: float, schedule: str) -> float:
+    """The multiplier after warmup, `progress` in [0, 1] of the decay."""
     if schedule == "constant":
         return 1.0
-    progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
     if schedule == "cosine":
         return 0.5 * (1.0 + math.cos(math.pi * progress))
     if schedule == "linear":
@@ -76,14 +80,7 @@ def lr_factor_by_budget(fraction: float, warmup_ratio: float, max_steps: int, sc
     decay over the rest."""
     if warmup_ratio > 0 and fraction < warmup_ratio:
         return min(1.0, max(fraction, 1.0 / max_steps) / warmup_ratio)
-    if schedule == "constant":
-        return 1.0
-    progress = min(1.0, (fraction - warmup_ratio) / max(1e-9, 1.0 - warmup_ratio))
-    if schedule == "cosine":
-        return 0.5 * (1.0 + math.cos(math.pi * progress))
-    if schedule == "linear":
-        return 1.0 - progress
-    raise ValueError(f"trainer.schedule={schedule!r} is not one of {sorted(SCHEDULES)}")
+    return _decay(min(1.0, (fraction - warmup_ratio) / max(1e-9, 1.0 - warmup_ratio)), schedule)
 
 
 def build_head_for_job(job, target, kind: HeadKind | None = None, vocab: torch.Tensor | None = None):
@@ -146,10 +143,11 @@ def train_heads(job, target, data, source: FeatureSource | None = None, accelera
     optimizer = torch.optim.AdamW(kind.param_groups(head, t.learning_rate), lr=t.learning_rate,
                                   betas=(t.adam_beta1, t.adam_beta2), weight_decay=t.weight_decay)
     warmup = int(t.warmup_ratio * t.max_steps)
-    clock = {"fraction": 0.0}  # budget spent (schedule_clock=minutes), the same on every process
+    clock = {"elapsed": 0.0}  # seconds spent (schedule_clock=minutes), the same on every process
     if t.schedule_clock == "minutes":
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor_by_budget(
-            max(clock["fraction"], s / t.max_steps), t.warmup_ratio, t.max_steps, t.schedule))
+            budget_fraction(s, t.max_steps, clock["elapsed"], t.max_minutes), t.warmup_ratio, t.max_steps,
+            t.schedule))
     else:
         scheduler = torch.optim.lr_scheduler.LambdaLR(
             optimizer, lambda s: lr_factor(s, warmup, t.max_steps, t.schedule))
@@ -189,7 +187,7 @@ def train_heads(job, target, data, source: FeatureSource | None = None, accelera
         state.update({k: checkpoint["state"][k] for k in state if k in checkpoint["state"]})
         stream.load_position(checkpoint["state"]["data_position"])
         scheduler.load_state_dict(checkpoint["scheduler"])
-        clock["fraction"] = budget_fraction(state["step"], t.max_steps, state["elapsed_seconds"], t.max_minutes)
+        clock["elapsed"] = state["elapsed_seconds"]
     head, optimizer = accelerator.prepare(head, optimizer)
     if checkpoint is not None:
         restore_head_state(accelerator, head, optimizer, checkpoint["optimizer"])
@@ -281,8 +279,7 @@ def train_heads(job, target, data, source: FeatureSource | None = None, accelera
             state["elapsed_seconds"] = start_elapsed + time.time() - start_time
             over_budget = t.max_minutes is not None and state["elapsed_seconds"] > 60 * t.max_minutes
             if t.schedule_clock == "minutes":  # processes' clocks differ by ms: all use their mean
-                mean_elapsed = float(reduce(torch.tensor(state["elapsed_seconds"], device=device))) / world
-                clock["fraction"] = budget_fraction(step, t.max_steps, mean_elapsed, t.max_minutes)
+                clock["elapsed"] = float(reduce(torch.tensor(state["elapsed_seconds"], device=device))) / world
             over_budget = bool(reduce(torch.tensor(float(over_budget), device=device)) > 0)
             last = step >= t.max_steps or over_budget
             if step % t.log_every == 0 or last:

@@ -371,7 +371,7 @@ def _training_figures(summary: dict, trained: dict | None, scored: dict | None =
             "steps": train.get("steps"), "held_out": scored or train.get("final_eval"), "best": train.get("best_eval"),
             "train_records": data.get("records"), "train_tokens": data.get("tokens"),
             "hardware": train.get("hardware", summary.get("hardware")),  # where the head was trained
-            # the frozen target's dtype for regeneration and features (data.target_dtype's choice)
+            # the frozen target's dtype for regeneration and features (frozen_target_dtype's choice)
             "target_dtype": train.get("target_dtype", summary.get("target_dtype"))}
 
 
