@@ -132,8 +132,11 @@ def shard_key(records: Sequence[dict], config: RegenerateConfig, max_prompt_toke
     """What a shard is made from: its records' ids, in order, the target that wrote the replies
     (`target_identity`: its fingerprint and tokenizer hash), the dtype it computed in, and every
     sampling setting that changes them (a digest, written beside the shard)."""
+    # Greedy replies do not depend on the seed: it is keyed as 0 there, so a training run with another
+    # trainer.seed reuses a greedy corpus instead of writing it again.
     settings = {"temperature": config.temperature, "max_new_tokens": config.max_new_tokens,
-                "max_turns": config.max_turns, "max_prompt_tokens": max_prompt_tokens, "seed": seed,
+                "max_turns": config.max_turns, "max_prompt_tokens": max_prompt_tokens,
+                "seed": seed if config.temperature > 0 else 0,
                 "sampling": "top_k=0, top_p=1" if config.temperature > 0 else "greedy",
                 "target": target_identity or {}}
     if dtype != "float32":  # fp32 keys stay those of shards written before the dtype was chosen

@@ -185,6 +185,15 @@ def test_a_generator_that_batches_itself_gets_each_round_whole(tmp_path):
     assert seen == [5, 5]  # two assistant turns per conversation: two rounds, not slices of batch_size
 
 
+def test_the_seed_keys_sampled_shards_only():
+    from data.regenerate import shard_key
+
+    records = _records(2)
+    greedy, sampled = RegenerateConfig(enabled=True), RegenerateConfig(enabled=True, temperature=0.7)
+    assert shard_key(records, greedy, 2048, 0) == shard_key(records, greedy, 2048, 1)
+    assert shard_key(records, sampled, 2048, 0) != shard_key(records, sampled, 2048, 1)
+
+
 def test_shards_written_in_another_dtype_are_written_again(tmp_path):
     from data.regenerate import shard_key
 
