@@ -10,7 +10,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "scripts"))
-from kinds_table import BEGIN, END, main, table  # noqa: E402
+from kinds_table import BEGIN, END, main, norms_table, table  # noqa: E402
 
 
 def _write(path: Path, data: dict) -> None:
@@ -71,3 +71,15 @@ def test_write_rewrites_only_the_block(out: Path, tmp_path: Path, monkeypatch):
     readme.write_text("no markers\n")
     with pytest.raises(SystemExit, match="kinds:begin"):
         main()
+
+
+def test_norms_table_reads_each_option_run(tmp_path: Path):
+    out = tmp_path / "kinds"
+    _kind(out, "eagle3_smollm2_135m", 0.25, [])
+    _write(out / "eagle3_fc_norm" / "job_summary.json", {"train": {"steps": 90, "stopped": "max_minutes", "final_eval": {
+        "eval/top1_step0": 0.27, "eval/top1_step1": 0.2, "eval/top1_step2": 0.15, "eval/top1_step3": 0.1,
+        "eval/acceptance_length": 1.33}}})
+    lines = {line.split(" | ")[0].lstrip("| "): line for line in norms_table(out).splitlines()[2:]}
+    assert "0.250 / – / – / –" in lines["as trained above"] and "| 1.400 |" in lines["as trained above"]
+    assert "90 (max_minutes) | 0.270 / 0.200 / 0.150 / 0.100 | 1.330" in lines["`fc_norm`"]
+    assert "not run" in lines["`norm_before_fc`"] and "not run" in lines["`norm_output`"]
