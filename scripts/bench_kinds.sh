@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Every head kind on the embedded default, on the same data and the same training minutes, then
-# measured in our runtime (each job's eval stage) and in vLLM (scripts/bench_engine.py):
+# measured in our runtime (every kind's drafters in one run, scripts/bench_draft_cost.py) and in
+# vLLM (scripts/bench_engine.py):
 #
 #   bash scripts/bench_kinds.sh [MINUTES] [RECORDS] [PROMPTS] [OUT] [norms]   # defaults: 3 1536 6 runs/kinds
 #
@@ -9,7 +10,8 @@
 # are reused, missing ones are regenerated first). Each kind's warmup and decay are laid over its
 # MINUTES (trainer.schedule_clock=minutes): kinds differ in step time, so no step count is equal
 # for all. One heavy job at a time: the jobs run in turn.
-# Each job's report is OUT/<recipe>/eval/report.md, vLLM's OUT/engine_k3/report.md (EAGLE-1/2,
+# Each job trains and exports (no eval stage: the draft-cost run below times every kind in one
+# process instead). vLLM's report is OUT/engine_k3/report.md (EAGLE-1/2,
 # EAGLE-3, P-EAGLE and Medusa at K=3) and OUT/engine_dflash/report.md (DFlash at K=15: vLLM drafts a
 # DFlash block as 1+K query tokens, so K = block size - 1 is the block the drafter proposes).
 # Then every kind's drafters run in one process on the same prompts (OUT/draft_cost.json, from
@@ -34,7 +36,8 @@ COMMON=(data.max_records="$RECORDS" data.eval_fraction=0.03
 mkdir -p "$OUT"
 for recipe in eagle_smollm2_135m eagle3_smollm2_135m peagle_smollm2_135m dflash_smollm2_135m medusa_smollm2_135m; do
   echo "$(date -u +%FT%TZ) $recipe"
-  $PY -m train +recipe=$recipe "${COMMON[@]}" trainer.output_dir="$OUT/$recipe" > "$OUT/$recipe.log" 2>&1
+  $PY -m train +recipe=$recipe "${COMMON[@]}" 'stages=[data,train,export]' trainer.output_dir="$OUT/$recipe" \
+    > "$OUT/$recipe.log" 2>&1
 done
 echo "$(date -u +%FT%TZ) vLLM"
 $PY scripts/bench_engine.py --head "$OUT/eagle_smollm2_135m/export/native" \
