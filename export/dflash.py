@@ -8,9 +8,11 @@ entering-layer convention (vLLM copies them to the ids its target captures), `bl
 `mask_token_id`, `sample_from_anchor: false` (slot 0 is the anchor; K = B-1 drafted tokens) and
 `sliding_window_non_causal: true`: vLLM sets one causality flag for all layers from that key, and
 an all-full draft is bidirectional within the block in speculators, so true keeps both the same.
-Weights are ours under the same names (`fc`, `hidden_norm`, `layers.{l}.*`, `norm`): the draft
-vocabulary is the target's, so neither `embed_tokens` nor `lm_head` is saved (both loaders take
-the verifier's).
+Weights are ours under the same names (`fc`, `hidden_norm`, `layers.{l}.*`, `norm`). A head over
+the target's vocabulary saves neither `embed_tokens` nor `lm_head` (both loaders take the
+verifier's); one with its own draft vocabulary of Vd ids adds `lm_head.weight` [Vd, H], `d2t` [Vd]
+and `t2d` [V] with `draft_vocab_size` = Vd, which vLLM maps back to target ids (`d2t`; it skips
+`t2d`). `embed_tokens` is never saved.
 """
 from __future__ import annotations
 
@@ -35,7 +37,14 @@ def dflash_shapes(config: DflashConfig) -> dict[str, tuple[int, ...]]:
             f"{prefix}.mlp.down_proj.weight": (H, I), f"{prefix}.input_layernorm.weight": (H,),
             f"{prefix}.post_attention_layernorm.weight": (H,),
         })
+    if config.own_vocab:
+        Vd = config.draft_vocab_size
+        shapes.update({"lm_head.weight": (Vd, H), "d2t": (Vd,), "t2d": (config.vocab_size,)})
     return shapes
+
+
+def _draft_vocab_size(config: DflashConfig) -> int:
+    return config.draft_vocab_size if config.own_vocab else config.vocab_size
 
 
 class DflashFormat:
@@ -72,7 +81,7 @@ class DflashFormat:
             "architectures": ["DFlashSpeculator"],
             "speculators_model_type": "dflash",
             "speculators_version": SPECULATORS_VERSION,
-            "draft_vocab_size": config.vocab_size,
+            "draft_vocab_size": _draft_vocab_size(config),
             "target_hidden_size": None,
             "aux_hidden_state_layer_ids": list(config.aux_layer_ids),
             "block_size": config.block_size,
@@ -101,7 +110,7 @@ class DflashFormat:
         layer = "transformer_layer_config"
         expected = {
             "architectures": ["DFlashSpeculator"], "speculators_model_type": "dflash",
-            "draft_vocab_size": config.vocab_size, "aux_hidden_state_layer_ids": list(config.aux_layer_ids),
+            "draft_vocab_size": _draft_vocab_size(config), "aux_hidden_state_layer_ids": list(config.aux_layer_ids),
             "block_size": config.block_size, "mask_token_id": config.mask_token_id, "sample_from_anchor": False,
             "sliding_window_non_causal": True, "dtype": dtype,
             f"{layer}.model_type": "qwen3", f"{layer}.hidden_size": config.hidden_size,
@@ -135,4 +144,6 @@ class DflashFormat:
         return [f"aux layers: config.json `aux_hidden_state_layer_ids` = {list(config.aux_layer_ids)} "
                 f"({ENTERING} convention: {CONVENTIONS[ENTERING]}).",
                 f"one forward drafts block_size - 1 = {config.block_size - 1} tokens, verified as a chain; "
-                "no embed_tokens or lm_head in the file: both are the verifier's."]
+                + (f"drafts over {config.draft_vocab_size} of the verifier's {config.vocab_size} ids (lm_head.weight "
+                   "holds their rows, d2t maps them to target ids); no embed_tokens: it is the verifier's."
+                   if config.own_vocab else "no embed_tokens or lm_head in the file: both are the verifier's.")]

@@ -6,8 +6,12 @@ reads them, heads/eagle3.py). Block: [anchor token, mask_token_id x (B-1)] at po
 anchor..anchor+B-1, embedded with the target's (frozen) embedding; slot j predicts the token at
 anchor+j. In every layer the block's queries attend over keys/values [k/v_proj(c); k/v_proj(block)]:
 the context enters each layer's attention directly (no input norm, the same c for every layer),
-and attention within the block is bidirectional. Logits = the target's lm_head(norm(out)): the draft
-vocabulary is the target's, so neither embedding nor lm_head is owned.
+and attention within the block is bidirectional. Logits = lm_head(norm(out)): with the full
+vocabulary (draft_vocab_size 0 or V) the target's lm_head, so neither embedding nor lm_head is
+owned; with a draft vocabulary of Vd < V ids the head owns an lm_head of Vd rows (started as the
+target's rows of those ids) and the EAGLE-3 maps `d2t` (Vd,) and `t2d` (V,): draft id i is target
+id i + d2t[i], as the speculators layout and vLLM store a DFlash draft vocabulary. Every slot's
+logit row costs Vd x D instead of V x D, which on a CPU is most of a block's draft cost.
 Every layer has q_norm/k_norm (the speculators and vLLM DFlash layouts, FORMATS.md "DFlash").
 The context's K/V depend on c alone, so a runtime computes them once per verified position
 (`context_kv`) and passes them back in (`forward(..., context_kv=...)`).
@@ -33,7 +37,7 @@ class DflashConfig:
     num_attention_heads: int
     num_key_value_heads: int
     head_dim: int
-    vocab_size: int  # the target's V, also the draft's
+    vocab_size: int  # the target's V
     target_hidden_size: int  # Ht, width of each aux stream
     aux_layer_ids: list[int] = field(default_factory=list)  # hidden_states[i] = stream entering layer i
     target_num_layers: int = 0
@@ -46,6 +50,7 @@ class DflashConfig:
     max_position_embeddings: int = 2048
     target_name: str = ""
     target_fingerprint: dict = field(default_factory=dict)
+    draft_vocab_size: int = 0  # Vd: 0 or vocab_size = the target's vocabulary and lm_head
 
     # what heads.eagle's Attention / MLP / rope_inv_freq read from a config
     qkv_bias = False
@@ -60,6 +65,9 @@ class DflashConfig:
         if self.num_layers < 1 or self.block_size < 2:
             raise ValueError(f"DflashConfig needs num_layers >= 1 and block_size >= 2, got "
                              f"{self.num_layers} and {self.block_size}")
+        if not 0 <= self.draft_vocab_size <= self.vocab_size:
+            raise ValueError(f"DflashConfig.draft_vocab_size={self.draft_vocab_size} must lie in "
+                             f"[0, {self.vocab_size}] (0: the target's vocabulary)")
         if not 0 <= self.mask_token_id < self.vocab_size:
             raise ValueError(f"DflashConfig.mask_token_id={self.mask_token_id} must lie in [0, {self.vocab_size})")
 
@@ -77,6 +85,11 @@ class DflashConfig:
                       aux_layer_ids=list(aux_layer_ids) if aux_layer_ids else default_aux_layer_ids(L))
         values.update(options)
         return cls(**values)
+
+    @property
+    def own_vocab(self) -> bool:
+        """True when the head drafts over Vd < V ids with its own lm_head rows."""
+        return 0 < self.draft_vocab_size < self.vocab_size
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -137,6 +150,11 @@ class DflashHead(nn.Module):
         self.hidden_norm = RMSNorm(D, config.rms_norm_eps)
         self.layers = nn.ModuleList(DflashDecoderLayer(config) for _ in range(config.num_layers))
         self.norm = RMSNorm(D, config.rms_norm_eps)
+        if config.own_vocab:  # identity maps until set_draft_vocab: draft id i = target id i
+            Vd, V = config.draft_vocab_size, config.vocab_size
+            self.lm_head = nn.Linear(D, Vd, bias=False)
+            self.register_buffer("d2t", torch.zeros(Vd, dtype=torch.long))
+            self.register_buffer("t2d", torch.arange(V) < Vd)
         inv_freq, self.attention_scaling = rope_inv_freq(config)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
@@ -145,6 +163,16 @@ class DflashHead(nn.Module):
         freqs = position_ids[..., None].float() * self.inv_freq.float()  # (B, T, hd/2)
         emb = torch.cat((freqs, freqs), dim=-1)[:, None]
         return (emb.cos() * self.attention_scaling).to(dtype), (emb.sin() * self.attention_scaling).to(dtype)
+
+    def draft_ids(self) -> torch.Tensor | None:
+        """(Vd,) the target ids of the draft vocabulary, ascending; None: the target's whole vocabulary."""
+        if not self.config.own_vocab:
+            return None
+        return torch.arange(self.d2t.shape[0], device=self.d2t.device) + self.d2t
+
+    def to_target_ids(self, draft: torch.Tensor) -> torch.Tensor:
+        """Ids of `logits`' columns (any shape) -> target ids."""
+        return draft + self.d2t[draft] if self.config.own_vocab else draft
 
     def project(self, aux: torch.Tensor) -> torch.Tensor:
         """aux (B, C, n·Ht), the target streams at aux_layer_ids in that order -> context (B, C, D)."""
@@ -167,8 +195,13 @@ class DflashHead(nn.Module):
             x = layer(x, cos, sin, kv, attention_mask)
         return x
 
-    def logits(self, out: torch.Tensor, lm_head_weight: torch.Tensor) -> torch.Tensor:
-        """out (..., D) -> logits (..., V) through the target's lm_head weight (V, D)."""
+    def logits(self, out: torch.Tensor, lm_head_weight: torch.Tensor | None = None) -> torch.Tensor:
+        """out (..., D) -> logits (..., Vd) through the head's own lm_head, or (..., V) through the
+        target's lm_head weight (V, D) for a head over the whole vocabulary."""
+        if self.config.own_vocab:
+            return self.lm_head(self.norm(out))
+        if lm_head_weight is None:
+            raise ValueError("DflashHead.logits: a head over the target's vocabulary needs its lm_head weight")
         return F.linear(self.norm(out), lm_head_weight)
 
 
@@ -180,8 +213,32 @@ def block_tokens(anchor_tokens: torch.Tensor, block_size: int, mask_token_id: in
 
 
 @torch.no_grad()
-def init_from_target(head: DflashHead, target) -> DflashHead:
-    """The draft's final norm starts as the target's (its lm_head is the target's); fc and the
+def set_draft_vocab(head: DflashHead, ids: torch.Tensor) -> DflashHead:
+    """Install the draft vocabulary of a head with its own: sorted target ids (Vd,)."""
+    from heads.eagle3 import vocab_maps
+
+    if not head.config.own_vocab:
+        raise ValueError("this DFlash head drafts over the target's whole vocabulary (draft_vocab_size "
+                         f"{head.config.draft_vocab_size}); a draft vocabulary is chosen when it is built "
+                         "(heads.draft_vocab_size)")
+    if ids.numel() != head.config.draft_vocab_size:
+        raise ValueError(f"draft vocabulary has {ids.numel()} ids but draft_vocab_size="
+                         f"{head.config.draft_vocab_size}")
+    d2t, t2d = vocab_maps(ids, head.config.vocab_size)
+    head.d2t.copy_(d2t)
+    head.t2d.copy_(t2d)
+    return head
+
+
+@torch.no_grad()
+def init_from_target(head: DflashHead, target, ids: torch.Tensor | None = None) -> DflashHead:
+    """The draft's final norm starts as the target's; a head with its own vocabulary takes `ids`
+    (sorted target ids; None keeps its maps) and the target's lm_head rows of them. fc and the
     decoder layers keep their random init."""
     head.norm.weight.copy_(target.final_norm.weight.to(head.norm.weight))
+    if head.config.own_vocab:
+        if ids is not None:
+            set_draft_vocab(head, ids)
+        rows = head.draft_ids().to(target.lm_head.weight.device)
+        head.lm_head.weight.copy_(target.lm_head.weight[rows].to(head.lm_head.weight))
     return head

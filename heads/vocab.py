@@ -1,9 +1,9 @@
 """Draft vocabularies: the token ids a draft head scores, chosen by frequency, stored with the head.
 
-Every head kind carries its vocabulary: EAGLE-3 as `d2t`/`t2d` (heads/eagle3.py), EAGLE-1/2 and
-Medusa as a `draft_vocab` buffer of sorted target ids (config `draft_vocab_size` = Vd). A head
-without one (draft_vocab_size 0, or saved before heads stored one) scores the full vocabulary.
-`draft_ids` reads it for any head; `set_draft_vocab` installs one.
+Every head kind carries its vocabulary: EAGLE-3 and DFlash as `d2t`/`t2d` (heads/eagle3.py,
+heads/dflash.py), EAGLE-1/2 and Medusa as a `draft_vocab` buffer of sorted target ids (config
+`draft_vocab_size` = Vd). A head without one (draft_vocab_size 0, or saved before heads stored
+one) scores the full vocabulary. `draft_ids` reads it for any head; `set_draft_vocab` installs one.
 """
 from __future__ import annotations
 
@@ -37,19 +37,23 @@ def check_ids(ids: torch.Tensor, vocab_size: int, where: str = "draft vocabulary
 def stores_id_list(config) -> bool:
     """True when heads of `config` keep their vocabulary as a `draft_vocab` id list (EAGLE-1/2 and
     Medusa with draft_vocab_size > 0); EAGLE-3 keeps d2t/t2d instead."""
+    from heads.dflash import DflashConfig
     from heads.eagle3 import Eagle3Config
 
-    return not isinstance(config, Eagle3Config) and bool(getattr(config, "draft_vocab_size", 0))
+    return not isinstance(config, (Eagle3Config, DflashConfig)) and bool(getattr(config, "draft_vocab_size", 0))
 
 
 def draft_ids(head: nn.Module) -> torch.Tensor | None:
     """(Vd,) the sorted target ids the head drafts over, or None: the full vocabulary."""
     module = getattr(head, "module", head)  # DDP / DeepSpeed wrappers
+    from heads.dflash import DflashHead
     from heads.eagle3 import Eagle3Head
 
     if isinstance(module, Eagle3Head):
         config = module.config
         return None if config.draft_vocab_size == config.vocab_size else module.draft_ids()
+    if isinstance(module, DflashHead):
+        return module.draft_ids()
     return getattr(module, VOCAB_KEY, None)
 
 
@@ -61,10 +65,13 @@ def set_draft_vocab(head: nn.Module, ids: torch.Tensor) -> nn.Module:
     module = getattr(head, "module", head)
     config = module.config
     ids = check_ids(ids, config.vocab_size)
+    from heads.dflash import DflashHead, set_draft_vocab as set_dflash
     from heads.eagle3 import Eagle3Head, set_draft_vocab as set_eagle3
 
     if isinstance(module, Eagle3Head):
         return set_eagle3(module, ids)
+    if isinstance(module, DflashHead):
+        return set_dflash(module, ids)
     device = next(module.parameters()).device
     if VOCAB_KEY in module._buffers:
         del module._buffers[VOCAB_KEY]

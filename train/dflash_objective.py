@@ -10,7 +10,9 @@ Slot j is scored against the target's greedy token at a+j-1 (argmax lm_head(fina
 target's choice for x_{a+j}); it counts when x_{a+j} is an assistant token and j >= 1 (slot 0 is
 the anchor itself). Up to `max_anchors` anchors per row are drawn at random each step; all of a
 row's blocks run side by side in one forward under one dense (A·B, T + A·B) mask.
-Loss: CE with the dpace slot weights, Σ m·w·CE / Σ m (`dpace_weights`).
+Loss: CE with the dpace slot weights, Σ m·w·CE / Σ m (`dpace_weights`). A head with its own draft
+vocabulary scores Vd ids: a slot whose greedy token lies outside it is left out of the CE (it
+keeps its place in the dpace prefix as a slot predicted with no confidence) and counts as a miss.
 """
 from __future__ import annotations
 
@@ -26,7 +28,7 @@ from heads.eagle3 import default_aux_layer_ids
 from heads.io import build_head
 from train.eagle3_objective import feature_layers as aux_feature_layers, split_features
 from train.heldout import _greedy, _kept
-from train.objectives import FrozenParts
+from train.objectives import FrozenParts, vocab_index
 
 log = logging.getLogger(__name__)
 
@@ -118,21 +120,27 @@ def dflash_step(head: nn.Module, parts: FrozenParts, batch: dict, features: torc
     truth = _greedy(final.gather(1, rows.flatten(1)[..., None].expand(-1, -1, final.shape[-1]))
                     .view(*rows.shape, -1)[counted], parts.lm_head_weight)  # (N,)
     out = run_blocks(head, parts, ids, aux, anchors)[counted]  # (N, D)
+    labels, inside = truth, torch.ones_like(truth, dtype=torch.bool)
+    if config.own_vocab:  # target ids -> rows of the head's Vd logits; -1 outside
+        labels = vocab_index(module.draft_ids(), config.vocab_size).to(truth.device)[truth]
+        inside = labels >= 0
     ce, hits = [], []
     for start in range(0, out.shape[0], chunk_size):
-        logits = module.logits(out[start:start + chunk_size], parts.lm_head_weight).float()  # (n, V)
-        labels = truth[start:start + logits.shape[0]]
-        ce.append(F.cross_entropy(logits, labels, reduction="none"))
-        hits.append(logits.detach().argmax(-1) == labels)
+        logits = module.logits(out[start:start + chunk_size], parts.lm_head_weight).float()  # (n, V or Vd)
+        label = labels[start:start + logits.shape[0]]
+        ce.append(F.cross_entropy(logits, label.clamp(min=0), reduction="none"))
+        hits.append((logits.detach().argmax(-1) == label) & (label >= 0))
     ce = torch.cat(ce) if ce else out.sum(-1) * 0.0
+    ce = torch.where(inside, ce, torch.zeros_like(ce))
     hits = torch.cat(hits) if hits else torch.zeros(0, dtype=torch.bool, device=ids.device)
     full = torch.zeros(counted.shape, dtype=ce.dtype, device=ids.device)
-    full[counted] = ce.detach()
+    full[counted] = torch.where(inside, ce.detach(), torch.full_like(ce, float("inf")))  # weight exp(-inf) = 0
     weights = dpace_weights(full, counted, options.dpace_alpha)[counted]
     loss = (weights * ce).sum() / max(int(counted.sum()), 1)
     hit_grid = torch.zeros_like(counted)
     hit_grid[counted] = hits
-    return {"loss": loss, "hits": hit_grid, "counted": counted, "positions": int(counted.sum())}
+    return {"loss": loss, "hits": hit_grid, "counted": counted, "positions": int(counted.sum()),
+            "out_of_vocab": int((~inside).sum())}
 
 
 @torch.no_grad()
@@ -156,7 +164,7 @@ def dflash_eval_counts(head: nn.Module, parts: FrozenParts, batch: dict, feature
     counts = torch.zeros(config.block_size - 1, 3, device=ids.device)
     for start in range(0, out.shape[0], 1024):
         logits = module.logits(out[start:start + 1024], parts.lm_head_weight)
-        top = logits.topk(min(5, logits.shape[-1]), dim=-1).indices  # (n, 5)
+        top = module.to_target_ids(logits.topk(min(5, logits.shape[-1]), dim=-1).indices)  # (n, 5) target ids
         label, index = truth[start:start + top.shape[0]], slot[start:start + top.shape[0]] - 1
         counts[:, 0].index_add_(0, index, (top[:, 0] == label).to(counts))
         counts[:, 1].index_add_(0, index, (top == label[:, None]).any(-1).to(counts))
@@ -166,7 +174,8 @@ def dflash_eval_counts(head: nn.Module, parts: FrozenParts, batch: dict, feature
 
 class DflashKind:
     """DFlash: fc over several target streams as EAGLE-3, L_d decoder layers drafting a block of
-    B-1 tokens in one forward over the target's vocabulary. Held-out row i is drafted token i."""
+    B-1 tokens in one forward, over the target's vocabulary or a draft vocabulary of its most
+    frequent ids (heads.draft_vocab_size). Held-out row i is drafted token i."""
 
     name, unit, drafters = "dflash", "step", ("dflash_chain",)
 
@@ -184,15 +193,14 @@ class DflashKind:
         return [0]  # layer 0's shape
 
     def build(self, target, vocab):
-        """Random fc and decoder layers; the final norm starts as the target's."""
-        if vocab is not None and vocab.numel() < target.vocab_size:
-            raise ValueError(f"heads.type=dflash drafts over the target's whole vocabulary (its lm_head is the "
-                             f"target's, as vLLM serves it); set heads.draft_vocab_size=0, not {vocab.numel()}")
+        """Random fc and decoder layers; the final norm starts as the target's, and with a draft
+        vocabulary (`vocab`, sorted ids) the head's lm_head as the target's rows of those ids."""
         o = self.options
+        size = vocab.numel() if vocab is not None and vocab.numel() < target.vocab_size else 0
         config = DflashConfig.from_target(target, aux_layer_ids=self.aux_layer_ids(target.num_layers),
                                           num_layers=o.num_layers, block_size=o.block_size,
-                                          mask_token_id=o.mask_token_id)
-        return init_from_target(build_head(config), target), config
+                                          mask_token_id=o.mask_token_id, draft_vocab_size=size)
+        return init_from_target(build_head(config), target, vocab if size else None), config
 
     def param_groups(self, head, learning_rate):
         return [{"params": list(head.parameters())}]
@@ -208,6 +216,7 @@ class DflashKind:
         hits, counted = out["hits"], out["counted"]
         rates = {f"top1_step{j - 1}": (float(hits[..., j].sum()), float(counted[..., j].sum()))
                  for j in range(1, hits.shape[-1])}
+        rates["out_of_vocab"] = (float(out.get("out_of_vocab", 0)), float(out["positions"]))
         return {}, rates
 
     @property

@@ -13,7 +13,7 @@ from eval.runtime.drafters.dflash import DflashDrafter, dflash_chain
 from eval.runtime.generate import plain_generate, speculative_generate
 from eval.runtime.model import LeanLlama
 from eval.runtime.sampling import SamplingConfig, probabilities
-from heads.dflash import DflashConfig, DflashHead
+from heads.dflash import DflashConfig, DflashHead, set_draft_vocab
 from heads.eagle3 import Eagle3Config, Eagle3Head
 from tests.helpers import chi_square_p_value, pooled_rare
 from tests.tiny import tiny_model, tiny_target
@@ -52,6 +52,22 @@ def test_greedy_speculative_equals_plain(setup, cache_context):
         plain = plain_generate(lean, prompt, NEW_TOKENS)
         spec = speculative_generate(lean, drafter, prompt, NEW_TOKENS)
         assert spec.tokens == plain.tokens and max(spec.tree_sizes) == B - 1
+
+
+def test_greedy_speculative_equals_plain_over_a_draft_vocabulary(setup):
+    target, lean, _ = setup
+    torch.manual_seed(1)
+    head = _randomized(DflashHead(DflashConfig.from_target(target, aux_layer_ids=[1, 0], num_layers=1, block_size=B,
+                                                           mask_token_id=5, draft_vocab_size=40)))
+    set_draft_vocab(head, torch.arange(3, 123, 3))
+    drafter = DflashDrafter(head, lean)
+    for prompt in prompts(2):
+        spec = speculative_generate(lean, drafter, prompt, NEW_TOKENS)
+        assert spec.tokens == plain_generate(lean, prompt, NEW_TOKENS).tokens
+    drafter.reset(None)
+    proposal = drafter.propose(_state(target, prompts(1, 6)[0], _features(target, head, prompts(1, 6)[0]), 0,
+                                      SamplingConfig(), None))
+    assert all(int(t) % 3 == 0 for t in proposal.tokens)  # drafts are target ids of the vocabulary
 
 
 def test_an_oracle_head_is_accepted_whole():
@@ -159,13 +175,20 @@ def _exact(lean, prompt) -> dict:
     return out
 
 
-@pytest.mark.parametrize("greedy_drafts", [False, pytest.param(True, marks=pytest.mark.slow)])
-def test_speculative_sampling_matches_exact_distribution(greedy_drafts):
+@pytest.mark.parametrize("greedy_drafts,draft_vocab", [(False, None), (False, [1, 2]),
+                                                        pytest.param(True, None, marks=pytest.mark.slow)])
+def test_speculative_sampling_matches_exact_distribution(greedy_drafts, draft_vocab):
+    """Also over a draft vocabulary of 2 of the 4 ids: tokens 0 and 3 are never drafted, and the
+    target's whole distribution must still come out."""
     lean = _peaked_lean()
     config = DflashConfig(hidden_size=16, intermediate_size=32, num_attention_heads=2, num_key_value_heads=1,
                           head_dim=8, vocab_size=VOCAB, target_hidden_size=16, aux_layer_ids=[0, 1],
-                          target_num_layers=2, block_size=3, mask_token_id=3)
-    drafter = DflashDrafter(_randomized(DflashHead(config), 0.6), lean, greedy_drafts=greedy_drafts)
+                          target_num_layers=2, block_size=3, mask_token_id=3,
+                          draft_vocab_size=len(draft_vocab or []))
+    head = _randomized(DflashHead(config), 0.6)
+    if draft_vocab:
+        set_draft_vocab(head, torch.tensor(draft_vocab))
+    drafter = DflashDrafter(head, lean, greedy_drafts=greedy_drafts)
     prompt, generator, counts = torch.tensor([1, 3, 2]), torch.Generator().manual_seed(0), {}
     for _ in range(SAMPLES):
         tokens = tuple(speculative_generate(lean, drafter, prompt, LENGTH, SamplingConfig(temperature=1.0),

@@ -9,13 +9,16 @@ import torch
 from safetensors.torch import load_file
 
 from export import export_all, export_head, load_export, resolve_formats
-from heads.dflash import DflashConfig, DflashHead
+from heads.dflash import DflashConfig, DflashHead, set_draft_vocab
 from tests.export.conftest import make_target3, randomize
 
 
 def make_dflash(target, **options):
     config = DflashConfig.from_target(target, **{"num_layers": 2, "block_size": 4, **options})
-    return randomize(DflashHead(config), 4), config
+    head = randomize(DflashHead(config), 4)
+    if config.own_vocab:  # every other id, from 1
+        set_draft_vocab(head, torch.arange(1, 2 * config.draft_vocab_size, 2))
+    return head, config
 
 
 def _out(head, target):
@@ -76,3 +79,16 @@ def test_engine_formats_of_a_dflash_head_and_a_native_export(tmp_path, target3):
     for folder in folders.values():
         loaded, _, _ = load_export(folder, target3)
         assert torch.equal(_out(loaded, target3), _out(head, target3))
+
+
+def test_a_draft_vocabulary_travels_as_lm_head_rows_and_d2t(tmp_path, target3):
+    head, config = make_dflash(target3, draft_vocab_size=24)
+    folder = export_head(head, config, "speculators_dflash", tmp_path / "out", target3, dtype="float32")
+    tensors = load_file(folder / "model.safetensors")
+    assert tensors["lm_head.weight"].shape == (24, config.hidden_size) and "embed_tokens.weight" not in tensors
+    assert torch.equal(torch.arange(24) + tensors["d2t"], torch.arange(1, 48, 2))  # draft id i -> target id
+    assert int(tensors["t2d"].sum()) == 24 and bool(tensors["t2d"][1]) and not bool(tensors["t2d"][0])
+    assert json.loads((folder / "config.json").read_text())["draft_vocab_size"] == 24
+    loaded, loaded_config, _ = load_export(folder, target3)
+    assert loaded_config == config and torch.equal(loaded.draft_ids(), head.draft_ids())
+    assert _out(head, target3).shape[-1] == 24 and torch.equal(_out(loaded, target3), _out(head, target3))

@@ -14,12 +14,13 @@ BLOCK = 8
 
 
 @torch.no_grad()
-def _head(target):
+def _head(target, draft_vocab: torch.Tensor | None = None):
     from heads.dflash import DflashConfig, DflashHead, init_from_target
 
-    config = DflashConfig.from_target(target, num_layers=2, block_size=BLOCK)
+    size = 0 if draft_vocab is None else draft_vocab.numel()
+    config = DflashConfig.from_target(target, num_layers=2, block_size=BLOCK, draft_vocab_size=size)
     torch.manual_seed(0)
-    head = init_from_target(DflashHead(config), target)
+    head = init_from_target(DflashHead(config), target, draft_vocab)
     generator = torch.Generator().manual_seed(0)
     for name, p in head.named_parameters():  # every norm away from 1, so a swapped one shows
         if p.dim() == 1:
@@ -28,7 +29,10 @@ def _head(target):
 
 
 @pytest.mark.integration
-def test_speculators_loads_our_dflash_export_and_matches_our_logits(tmp_path, smollm2):
+@pytest.mark.parametrize("vocab", [None, 8192], ids=["target-vocabulary", "draft-vocabulary"])
+def test_speculators_loads_our_dflash_export_and_matches_our_logits(tmp_path, smollm2, vocab):
+    """Also with a draft vocabulary: its lm_head rows and d2t travel in the file and speculators
+    scores the same Vd ids."""
     from safetensors.torch import save_file
 
     from export import export_head, load_export
@@ -36,7 +40,8 @@ def test_speculators_loads_our_dflash_export_and_matches_our_logits(tmp_path, sm
     from train.objectives import FrozenParts
 
     compare = driver()
-    head, config = _head(smollm2)
+    ids = None if vocab is None else torch.arange(1, 6 * vocab, 6)  # every sixth id: not a prefix of the vocabulary
+    head, config = _head(smollm2, ids)
     folder = export_head(head, config, "speculators_dflash", tmp_path / "dflash", smollm2, dtype="float32")
     loaded, _, _ = load_export(folder, smollm2, dtype="float32")
     tokens = torch.tensor([smollm2.tokenizer(compare.TEXT)["input_ids"]])
@@ -61,3 +66,6 @@ def test_speculators_loads_our_dflash_export_and_matches_our_logits(tmp_path, sm
     assert report["verifier_in_file"] == "HuggingFaceTB/SmolLM2-135M-Instruct"
     assert report["max_abs_diff"] < TOLERANCE, report
     assert report["argmax_agreement"] == 1.0, report
+    assert report["use_draft_vocab"] == (vocab is not None) and report["draft_vocab_size"] == (vocab or 49152)
+    if vocab is not None:
+        assert report["draft_ids"] == ids.tolist()

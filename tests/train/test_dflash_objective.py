@@ -7,6 +7,7 @@ import torch
 from heads.config import DflashOptions
 from train.dflash_objective import (DflashKind, block_attention_mask, dflash_eval_counts, dflash_step, dpace_weights,
                                     run_blocks, select_anchors, slot_targets)
+from heads.io import load_head
 from train.loop import train_heads
 from train.objectives import FINAL, FrozenParts, OnlineFeatures
 from tests.tiny import tiny_target
@@ -88,7 +89,8 @@ def test_step_trains_every_part_and_counts_its_slots():
     for name, p in head.named_parameters():
         assert p.grad is not None and bool(p.grad.abs().sum() > 0), name
     means, rates = kind.figures(out)
-    assert set(rates) == {"top1_step0", "top1_step1", "top1_step2"}
+    assert set(rates) == {"top1_step0", "top1_step1", "top1_step2", "out_of_vocab"}
+    assert rates["out_of_vocab"] == (0.0, float(out["positions"]))  # the full vocabulary: nothing outside
 
 
 def test_held_out_counts_are_one_row_per_drafted_token_and_repeat():
@@ -101,11 +103,35 @@ def test_held_out_counts_are_one_row_per_drafted_token_and_repeat():
     assert bool((first[:, 0] <= first[:, 1]).all() and (first[:, 1] <= first[:, 2]).all())
 
 
-def test_the_kind_reads_aux_streams_and_the_final_state_and_refuses_a_reduced_vocabulary():
+def test_the_kind_reads_aux_streams_and_the_final_state():
     kind = DflashKind(DflashOptions())
     assert kind.feature_layers(30) == (2, 15, 27, FINAL) and kind.eval_rows == 15
-    with pytest.raises(ValueError, match="whole vocabulary"):
-        kind.build(tiny_target(), torch.arange(64))
+
+
+def test_a_draft_vocabulary_scores_its_rows_and_leaves_other_tokens_out():
+    target, kind, full, batch, features = setup()
+    vocab = torch.arange(0, 128, 2)  # the even ids
+    head, config = kind.build(target, vocab)
+    assert config.draft_vocab_size == 64 and torch.equal(head.draft_ids(), vocab)
+    assert torch.equal(head.lm_head.weight, target.lm_head.weight[vocab])
+    head.load_state_dict(full.state_dict(), strict=False)  # the same layers: logits are the full head's columns
+    out = torch.randn(5, config.hidden_size)
+    torch.testing.assert_close(head.logits(out), full.logits(out, target.lm_head.weight)[:, vocab])
+    assert torch.equal(head.to_target_ids(torch.tensor([0, 3])), torch.tensor([0, 6]))
+    parts = FrozenParts.from_target(target)
+    torch.manual_seed(0)
+    step = dflash_step(head, parts, batch, features, kind.options, 7, torch.Generator().manual_seed(1))
+    reference = dflash_step(full, parts, batch, features, kind.options, 7, torch.Generator().manual_seed(1))
+    assert torch.equal(step["counted"], reference["counted"])  # the same anchors and slots
+    outside = step["out_of_vocab"]
+    assert 0 < outside < step["positions"] and torch.isfinite(step["loss"])
+    # a slot whose target token is odd can never be hit; the full head's hits on even tokens carry over only
+    # where its argmax was even, so the vocabulary head hits at least those
+    assert int(step["hits"].sum()) <= step["positions"] - outside
+    step["loss"].backward()
+    assert head.lm_head.weight.grad is not None and head.fc.weight.grad.abs().sum() > 0
+    counts = dflash_eval_counts(head, parts, batch, features, kind.options, [])
+    assert bool((counts[:, 0] <= counts[:, 1]).all() and (counts[:, 1] <= counts[:, 2]).all())
 
 
 def test_the_loop_trains_and_evaluates_a_dflash_head(tmp_path):
@@ -115,3 +141,14 @@ def test_the_loop_trains_and_evaluates_a_dflash_head(tmp_path):
     assert result.head_type == "dflash"
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert {"eval/top1_step0", "eval/top1_step2", "eval/acceptance_length"} <= set(rows[-1])
+
+
+def test_the_loop_trains_a_dflash_head_over_a_draft_vocabulary(tmp_path):
+    job = tiny_job(tmp_path, "dflash", max_steps=2, eval_every=2, save_every=2)
+    job.heads.dflash.aux_layer_ids, job.heads.dflash.block_size, job.heads.dflash.max_anchors = [0, 1], 4, 8
+    job.heads.draft_vocab_size = 48
+    result = train_heads(job, tiny_target(), tiny_data())
+    head, config, _ = load_head(result.last_checkpoint)
+    assert config.draft_vocab_size == 48 and head.draft_ids().numel() == 48
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert any("train/out_of_vocab" in row for row in rows) and "eval/top1_step0" in rows[-1]

@@ -14,7 +14,9 @@ against.
 
 No slot reads a drafted token, so each draft comes from its slot's distribution alone: argmax when
 greedy, else sampled with that distribution reported, which the runtime's rejection sampling keeps
-lossless.
+lossless. A head with its own draft vocabulary scores its Vd ids (its lm_head); drafts map to
+target ids through d2t, and a sampled draft's distribution is reported over the target vocabulary,
+zero outside the draft vocabulary.
 """
 from __future__ import annotations
 
@@ -42,6 +44,8 @@ class DflashDrafter:
             raise ValueError(f"dflash drafter: head vocabulary {head.config.vocab_size} != target's "
                              f"{lean.config.vocab_size}")
         self.head, self.lean, self.depth = head.eval(), lean, depth
+        ids = head.draft_ids()  # the head's own vocabulary travels with it (d2t), as vLLM reads it
+        self.vocab = None if ids is None else ids.detach().to("cpu", torch.long)
         self.greedy_drafts, self.cache_context = greedy_drafts, cache_context
         self.feature_layers = tuple(head.config.aux_layer_ids)
         parameter = next(head.parameters())
@@ -96,22 +100,31 @@ class DflashDrafter:
         embeds = self.lean.embedding[tokens].to(self.dtype)  # (1, B, D)
         positions = torch.arange(length - 1, length - 1 + B, device=self.device)[None]
         out = self.head(embeds, positions, context)[0, 1: self.depth + 1]  # (depth, D)
+        if self.vocab is not None:  # (depth, Vd) over the head's own rows
+            return self.head.logits(out).float()
         normed = self.head.norm(out).to(self.lean.embedding.dtype)
         return self.lean.lm_head(normed).float()
 
     @torch.no_grad()
     def propose(self, state: DraftState) -> Candidates:
-        logits = self.block_logits(state)
+        logits = self.block_logits(state)  # (depth, V), or (depth, Vd): column j is target id vocab[j]
         if state.sampling.greedy or self.greedy_drafts:
-            return Candidates.chain(logits.argmax(-1).tolist())
-        q = probabilities(logits, state.sampling)  # (depth, V)
+            return Candidates.chain(self._target_ids(logits.argmax(-1)).tolist())
+        q = probabilities(logits, state.sampling)
         tokens = [int(sample(row, state.generator)) for row in q]
+        if self.vocab is not None:  # the distribution over target ids, zero outside the draft vocabulary
+            tokens = self._target_ids(torch.tensor(tokens)).tolist()
+            q = q.new_zeros(q.shape[0], self.lean.config.vocab_size).index_copy_(1, self.vocab.to(q.device), q)
         return Candidates.chain(tokens, q, deterministic=False)
+
+    def _target_ids(self, columns: torch.Tensor) -> torch.Tensor:
+        return columns if self.vocab is None else self.vocab[columns.to(self.vocab.device)]
 
     def accept(self, state: DraftState, accepted: list[int]) -> None:
         pass  # the context grows from the target's features of committed tokens only
 
 
 def dflash_chain(head, lean, depth, draft_vocab=None, greedy_drafts=False) -> DflashDrafter:
-    """The registry's chain: `depth` capped at the head's block_size - 1 (one forward drafts at most that)."""
+    """The registry's chain: `depth` capped at the head's block_size - 1 (one forward drafts at most
+    that). The vocabulary is the head's own (`draft_vocab` is not read)."""
     return DflashDrafter(head, lean, depth=min(depth, head.config.block_size - 1), greedy_drafts=greedy_drafts)
