@@ -8,8 +8,8 @@ anchor+j. In every layer the block's queries attend over keys/values [k/v_proj(c
 the context enters each layer's attention directly (no input norm, the same c for every layer),
 and attention within the block is bidirectional. Logits = lm_head(norm(out)): with the full
 vocabulary (draft_vocab_size 0 or V) the target's lm_head, so neither embedding nor lm_head is
-owned; with a draft vocabulary of Vd < V ids the head owns an lm_head of Vd rows (started as the
-target's rows of those ids) and the EAGLE-3 maps `d2t` (Vd,) and `t2d` (V,): draft id i is target
+owned; with a draft vocabulary of Vd < V ids the head holds an lm_head of Vd rows (the target's
+rows of those ids, frozen as in the speculators trainer) and the EAGLE-3 maps `d2t` (Vd,) and `t2d` (V,): draft id i is target
 id i + d2t[i], as the speculators layout and vLLM store a DFlash draft vocabulary. Every slot's
 logit row costs Vd x D instead of V x D, which on a CPU is most of a block's draft cost.
 Every layer has q_norm/k_norm (the speculators and vLLM DFlash layouts, FORMATS.md "DFlash").
@@ -153,6 +153,7 @@ class DflashHead(nn.Module):
         if config.own_vocab:  # identity maps until set_draft_vocab: draft id i = target id i
             Vd, V = config.draft_vocab_size, config.vocab_size
             self.lm_head = nn.Linear(D, Vd, bias=False)
+            self.lm_head.weight.requires_grad_(False)  # the target's rows, frozen as the full vocabulary's are
             self.register_buffer("d2t", torch.zeros(Vd, dtype=torch.long))
             self.register_buffer("t2d", torch.arange(V) < Vd)
         inv_freq, self.attention_scaling = rope_inv_freq(config)

@@ -203,7 +203,8 @@ class DflashKind:
         return init_from_target(build_head(config), target, vocab if size else None), config
 
     def param_groups(self, head, learning_rate):
-        return [{"params": list(head.parameters())}]
+        """Everything but a draft vocabulary's lm_head rows (the target's, frozen)."""
+        return [{"params": [p for name, p in head.named_parameters() if not name.startswith("lm_head.")]}]
 
     def prepare(self, head, parts, source, batches, world, reduce):
         pass

@@ -129,7 +129,9 @@ def test_a_draft_vocabulary_scores_its_rows_and_leaves_other_tokens_out():
     # where its argmax was even, so the vocabulary head hits at least those
     assert int(step["hits"].sum()) <= step["positions"] - outside
     step["loss"].backward()
-    assert head.lm_head.weight.grad is not None and head.fc.weight.grad.abs().sum() > 0
+    assert head.lm_head.weight.grad is None and head.fc.weight.grad.abs().sum() > 0  # the target's rows stay frozen
+    trained = {id(p) for group in kind.param_groups(head, 1e-3) for p in group["params"]}
+    assert id(head.lm_head.weight) not in trained and id(head.fc.weight) in trained
     counts = dflash_eval_counts(head, parts, batch, features, kind.options, [])
     assert bool((counts[:, 0] <= counts[:, 1]).all() and (counts[:, 1] <= counts[:, 2]).all())
 
