@@ -141,7 +141,8 @@ def _run_stages(job: JobConfig) -> dict:
         summary["train"] = {"steps": result.steps, "stopped": result.stopped, "best_eval": result.best_eval,
                             "hardware": hardware(), "recipe": job.recipe, "data_source": data_source,
                             "final_eval": result.final_eval, "target_dtype": summary.get("target_dtype"),
-                            "best_checkpoint": str(result.best_checkpoint or result.last_checkpoint)}
+                            "best_checkpoint": str(result.best_checkpoint or result.last_checkpoint),
+                            "started_from": started_from(job.trainer.init_from)}
         checkpoint = result.best_checkpoint or result.last_checkpoint
         if int(os.environ.get("RANK", "0")) == 0:  # a later stage that fails keeps the training figures
             _write_json(run_dir / "job_summary.json", {**earlier, **summary})
@@ -372,7 +373,32 @@ def _training_figures(summary: dict, trained: dict | None, scored: dict | None =
             "train_records": data.get("records"), "train_tokens": data.get("tokens"),
             "hardware": train.get("hardware", summary.get("hardware")),  # where the head was trained
             # the frozen target's dtype for regeneration and features (frozen_target_dtype's choice)
-            "target_dtype": train.get("target_dtype", summary.get("target_dtype"))}
+            "target_dtype": train.get("target_dtype", summary.get("target_dtype")),
+            # a head trained on from another (trainer.init_from): steps counts this run's only
+            "started_from": train.get("started_from")}
+
+
+def started_from(source: str | None) -> dict | None:
+    """What a trainer.init_from head had behind it: its path, and the steps and recipe its
+    checkpoint state or export manifest records (None without init_from)."""
+    if not source:
+        return None
+    from train.checkpoint import read_state
+
+    out: dict = {"path": str(source)}
+    state = read_state(source)
+    if state is not None:
+        out["steps"] = state.get("step")
+        out["tokens"] = state.get("tokens")
+        return out
+    manifest = Path(source) / "specheads.json"
+    if manifest.is_file():
+        try:
+            training = json.loads(manifest.read_text()).get("training") or {}
+        except json.JSONDecodeError:
+            training = {}
+        out.update({key: training.get(key) for key in ("recipe", "steps", "started_from") if training.get(key)})
+    return out
 
 
 def _eval_figures(summary: dict) -> dict:

@@ -39,6 +39,10 @@ def test_job_runs_every_stage(tiny_chat_model, tmp_path):
     resumed = run_job(pipeline_job(tiny_chat_model, tmp_path, "again", 1,
                                f"trainer.init_from={summary['export']['eagle']}", "stages=[data,train]"))
     assert resumed["train"]["steps"] == 1
+    # and the head it started from is on record: the export's manifest and its steps
+    assert resumed["train"]["started_from"] == {"path": summary["export"]["eagle"], "recipe": summary["recipe"],
+                                                "steps": 2}
+    assert summary["train"]["started_from"] is None
 
 
 def test_a_failed_eval_keeps_the_training_figures_for_a_later_export(tiny_chat_model, tmp_path, monkeypatch):
