@@ -29,8 +29,10 @@ ASSETS = Path(__file__).resolve().parent / "assets" / "goldens"
 # release head -> (its held-out file, the data overrides its training command added to the recipe)
 RELEASES = {
     "eagle_smollm2_135m": ("release_heldout.jsonl", []),
-    # python -m train +recipe=eagle3_smollm2_135m_long data.max_records=512 trainer.max_minutes=20 trainer.num_threads=2
-    "eagle3_smollm2_135m": ("release_heldout_eagle3.jsonl", ["data.max_records=512"]),
+    # 55 minutes on the corpus's first 3,072 conversations, then 70 more from that checkpoint (docs/results.md):
+    # python -m train +recipe=eagle3_smollm2_135m_corpus data.max_records=3072 trainer.init_from=<step 761>
+    #   trainer.seed=1 trainer.schedule_clock=minutes trainer.max_minutes=70 trainer.max_steps=3000
+    "eagle3_smollm2_135m": ("release_heldout_eagle3.jsonl", ["data.max_records=3072"]),
 }
 
 
