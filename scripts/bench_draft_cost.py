@@ -11,8 +11,9 @@ Each head runs its kind's chain drafter (`eagle_chain` at runtime.chain_depth, `
 `dflash_chain`), `peagle_tree` and `medusa` where the head is of that kind, with the fallback gate
 off so every step drafts; the EAGLE heads also run `eagle_chain` at depth 1, the unit the draft costs
 are counted in. Prompts are the held-out prompts of the default data (as scripts/bench_engine.py
-takes them); greedy output is checked against plain decoding. Each time is the median step (the
-mean beside it in --json). Rows of one run compare; on a machine
+takes them); greedy output is checked against plain decoding. Prompt by prompt, plain decoding and
+every drafter run in turn, so a drift in the machine's speed reaches all of them alike. Each time is
+the median step (the mean beside it in --json). Rows of one run compare; on a machine
 shared with another job no figure does (docs/performance.md).
 """
 from __future__ import annotations
@@ -41,13 +42,10 @@ def _median_ms(values: list[float]) -> float:
     return 1000.0 * statistics.median(values) if values else 0.0
 
 
-def measure(lean, drafter, prompts, tokens: int, sampling, eos, reference, plain_ms: float) -> dict:
-    """One drafter over `prompts`: per speculative step its draft and verify time (the median step,
-    which a burst of another tenant's load on a shared host does not move; the mean beside it), τ,
-    and whether the output equals plain greedy decoding."""
-    from eval.runtime.generate import speculative_generate
-
-    results = [speculative_generate(lean, drafter, p, tokens, sampling, eos) for p in prompts]
+def summarize(results, reference, plain_ms: float) -> dict:
+    """One drafter's results over the prompts: per speculative step its draft and verify time (the
+    median step, which a burst of another tenant's load on a shared host does not move; the mean
+    beside it), τ, and whether the output equals plain greedy decoding."""
     draft = [t for r in results for t in r.draft_times]
     verify = [t for r in results for t in r.verify_times]
     accepted = [a for r in results for a in r.accepted]
@@ -79,7 +77,7 @@ def main() -> None:
     from eval.prepare import prepare_target, runtime_sizes
     from eval.run import build_methods
     from eval.runtime.drafters.kinds import drafters_for
-    from eval.runtime.generate import plain_generate
+    from eval.runtime.generate import plain_generate, speculative_generate
     from eval.runtime.sampling import SamplingConfig
     from eval.stage import eval_prompt_ids, load_eval_head
     from eval.timing import cpu_hardware
@@ -97,10 +95,7 @@ def main() -> None:
     lean, _, setup = prepare_target(target.model, runtime, sorted({*runtime_sizes(runtime, KIND_DRAFTERS), 16}),
                                     prompts[0], max_len)
     plain_generate(lean, prompts[0][:8], 4, sampling, eos)  # first-call overheads
-    plain = [plain_generate(lean, p, args.tokens, sampling, eos) for p in prompts]
-    reference = [r.tokens for r in plain]
-    plain_ms = 1000.0 * statistics.median(r.decode_time / max(len(r.tokens) - 1, 1) for r in plain)  # median prompt
-    rows = []
+    entries = []  # (folder, head type, label, drafter)
     for folder in args.head:
         head, _ = load_eval_head(folder, target)
         head = head.to(lean.output_device)
@@ -110,11 +105,23 @@ def main() -> None:
             runs.append((dataclasses.replace(runtime, chain_depth=1), "eagle_chain", "eagle_chain@1"))
         for settings, name, label in runs:
             methods, _ = build_methods([name], settings, lean, head, prompts, eos)
-            row = measure(lean, methods[-1].build(), prompts, args.tokens, sampling, eos, reference, plain_ms)
-            rows.append({"head": str(folder), "head_type": type(head).__name__, "drafter": label, **row})
-            print(f"{folder}  {label:14s} draft {row['draft_ms_per_step']:6.1f} ms  verify "
-                  f"{row['verify_ms_per_step']:6.1f} ms  tau {row['tau']:.2f}  est {row['speedup_est']:.2f}x  tree {row['mean_tree_size']:.1f}  "
-                  f"greedy identical {row['greedy_identical']}", flush=True)
+            entries.append((folder, type(head).__name__, label, methods[-1].build()))
+    # Prompt by prompt, plain decoding and then every drafter in turn: a host whose speed drifts
+    # during the run moves every drafter's steps alike instead of the heads measured last.
+    plain, results = [], [[] for _ in entries]
+    for prompt in prompts:
+        plain.append(plain_generate(lean, prompt, args.tokens, sampling, eos))
+        for index, (_, _, _, drafter) in enumerate(entries):
+            results[index].append(speculative_generate(lean, drafter, prompt, args.tokens, sampling, eos))
+    reference = [r.tokens for r in plain]
+    plain_ms = 1000.0 * statistics.median(r.decode_time / max(len(r.tokens) - 1, 1) for r in plain)  # median prompt
+    rows = []
+    for (folder, head_type, label, _), done in zip(entries, results):
+        row = summarize(done, reference, plain_ms)
+        rows.append({"head": str(folder), "head_type": head_type, "drafter": label, **row})
+        print(f"{folder}  {label:14s} draft {row['draft_ms_per_step']:6.1f} ms  verify "
+              f"{row['verify_ms_per_step']:6.1f} ms  tau {row['tau']:.2f}  est {row['speedup_est']:.2f}x  tree {row['mean_tree_size']:.1f}  "
+              f"greedy identical {row['greedy_identical']}", flush=True)
     unit = next((r["draft_ms_per_step"] for r in rows if r["drafter"] == "eagle_chain@1"
                  and r["head_type"] == "EagleHead"), None)
     hardware, dtype = cpu_hardware(), setup.get("dtype", {}).get("chosen", args.dtype)
