@@ -9,8 +9,9 @@ the context enters each layer's attention directly (no input norm, the same c fo
 and attention within the block is bidirectional. Logits = lm_head(norm(out)): with the full
 vocabulary (draft_vocab_size 0 or V) the target's lm_head, so neither embedding nor lm_head is
 owned; with a draft vocabulary of Vd < V ids the head holds an lm_head of Vd rows (the target's
-rows of those ids, frozen as in the speculators trainer) and the EAGLE-3 maps `d2t` (Vd,) and `t2d` (V,): draft id i is target
-id i + d2t[i], as the speculators layout and vLLM store a DFlash draft vocabulary. Every slot's
+rows of those ids, frozen as in the speculators trainer) and the EAGLE-3 maps `d2t` (Vd,) and
+`t2d` (V,): draft id i is target id i + d2t[i], as the speculators layout and vLLM store a DFlash
+draft vocabulary. Every slot's
 logit row costs Vd x D instead of V x D, which on a CPU is most of a block's draft cost.
 Every layer has q_norm/k_norm (the speculators and vLLM DFlash layouts, FORMATS.md "DFlash").
 The context's K/V depend on c alone, so a runtime computes them once per verified position
@@ -215,20 +216,15 @@ def block_tokens(anchor_tokens: torch.Tensor, block_size: int, mask_token_id: in
 
 @torch.no_grad()
 def set_draft_vocab(head: DflashHead, ids: torch.Tensor) -> DflashHead:
-    """Install the draft vocabulary of a head with its own: sorted target ids (Vd,)."""
-    from heads.eagle3 import vocab_maps
+    """Install the draft vocabulary of a head with its own: sorted target ids (Vd,), into the same
+    d2t/t2d maps as EAGLE-3's (heads.eagle3.set_draft_vocab)."""
+    from heads.eagle3 import set_draft_vocab as set_maps
 
     if not head.config.own_vocab:
         raise ValueError("this DFlash head drafts over the target's whole vocabulary (draft_vocab_size "
                          f"{head.config.draft_vocab_size}); a draft vocabulary is chosen when it is built "
                          "(heads.draft_vocab_size)")
-    if ids.numel() != head.config.draft_vocab_size:
-        raise ValueError(f"draft vocabulary has {ids.numel()} ids but draft_vocab_size="
-                         f"{head.config.draft_vocab_size}")
-    d2t, t2d = vocab_maps(ids, head.config.vocab_size)
-    head.d2t.copy_(d2t)
-    head.t2d.copy_(t2d)
-    return head
+    return set_maps(head, ids)
 
 
 @torch.no_grad()
