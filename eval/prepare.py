@@ -97,12 +97,12 @@ def _linears(lean: LeanLlama):
 
 def snapshot(lean: LeanLlama) -> list:
     """What every linear layer runs per row count (`install` puts it back)."""
-    return [(linear, linear.table, linear.needed, linear.plan) for linear in _linears(lean)]
+    return [(linear, linear.table, linear.needed, linear.plan, linear.beyond) for linear in _linears(lean)]
 
 
 def install(tables: list) -> None:
-    for linear, table, needed, plan in tables:
-        linear.table, linear.needed, linear.plan = table, needed, plan
+    for linear, table, needed, plan, beyond in tables:
+        linear.table, linear.needed, linear.plan, linear.beyond = table, needed, plan, beyond
 
 
 @torch.no_grad()

@@ -149,6 +149,7 @@ class Linear(nn.Module):
         paths = {p: linear_paths.PATHS[p] for p in set(names)}
         bound = {p: path.bind(self.layout(path.layout), self.bias) for p, path in paths.items()}
         self.plan = None if plan is None else dict(plan)
+        self.beyond = beyond
         self.needed = {path.layout for path in paths.values()}
         self.table = [bound[p] for p in names]  # the callable per row count (index MAX_ROWS: and above)
         if trim:

@@ -138,3 +138,51 @@ def test_table_uses_the_nearest_measured_size_and_row_limits():
     assert names[5] == names[8] == names[6] == "dnnl"  # rows stops at ROWS_MAX: the next size's path
     assert names[9] == names[linear_paths.MAX_ROWS] == "tall"
     assert table({1: "gemv_t", 4: "rows"})[5] == "gemv_t"  # rows never runs past its limit
+
+
+def _forced(lean, path):
+    linear_paths.force_path(lean, path)
+    return lean
+
+
+@pytest.mark.parametrize("vocab", [None, torch.arange(0, 128, 2)])
+def test_draft_heads_follow_the_targets_measured_paths(vocab):
+    """A drafter's linear layers take the paths installed on the target's same roles (fc: down_proj's),
+    and draft what the default rule drafts; a target in another dtype leaves them on the default rule."""
+    from eval.runtime.drafters.dflash import DflashDrafter
+    from eval.runtime.drafters.eagle import EagleDrafter
+    from eval.runtime.drafters.medusa import MedusaDrafter
+    from heads.dflash import DflashConfig, DflashHead
+    from heads.medusa import MedusaConfig, MedusaHeads
+    from tests.eval.test_eagle_drafter import _proposal
+    from tests.tiny import tiny_eagle3_setup
+
+    target, lean, head = tiny_eagle3_setup(draft_vocab=vocab)
+    default = EagleDrafter(head, lean, mode="tree", depth=3, top_k=3, total_tokens=8)
+    assert default.linear_paths == {}  # nothing measured on the target: the default rule
+    tall = _forced(LeanLlama.from_hf(target.model, max_seq_len=256), "tall")
+    drafter = EagleDrafter(head, tall, mode="tree", depth=3, top_k=3, total_tokens=8)
+    assert drafter.linear_paths == {"fc": "down_proj", "qkv_proj": "qkv_proj", "o_proj": "o_proj",
+                                    "gate_up_proj": "gate_up_proj", "down_proj": "down_proj", "lm_head": "lm_head"}
+    for site, linears in drafter.runtime.linear_sites().items():
+        assert [linear.plan for linear in linears] == [{1: "tall"}], site
+    prompt = torch.randint(0, target.vocab_size, (9,), generator=torch.Generator().manual_seed(1))
+    ours, _ = _proposal(drafter, tall, prompt)
+    reference, _ = _proposal(default, lean, prompt)
+    assert torch.equal(ours.tokens, reference.tokens) and torch.equal(ours.parents, reference.parents)
+
+    medusa = MedusaHeads(MedusaConfig.from_target(target, num_heads=2, share_lm_head=False))
+    followed = MedusaDrafter(medusa, tall, [[0], [0, 0]], vocab)
+    assert followed.linear_paths == {"lm_head": "lm_head"} and followed.projections[0].plan == {1: "tall"}
+    x = torch.randn(3, lean.config.hidden_size)
+    torch.testing.assert_close(followed.head_logits(x), MedusaDrafter(medusa, lean, [[0], [0, 0]], vocab).head_logits(x))
+
+    dflash = DflashHead(DflashConfig.from_target(target, aux_layer_ids=[0, 1], block_size=4,
+                                                 draft_vocab_size=target.vocab_size if vocab is None else vocab.numel()))
+    if vocab is not None:
+        assert DflashDrafter(dflash, tall).lm_head.plan == {1: "tall"}
+
+    bf16 = _forced(LeanLlama.from_hf(copy.deepcopy(target.model).to(torch.bfloat16), max_seq_len=256), "tall")
+    kept = EagleDrafter(head, bf16, mode="chain", depth=2)  # an fp32 head behind a bf16 target
+    assert kept.linear_paths == {} and all(linear.plan is None for linears in kept.runtime.linear_sites().values()
+                                           for linear in linears)

@@ -22,8 +22,9 @@ from __future__ import annotations
 
 import torch
 
+from eval.runtime import linear_paths
 from eval.runtime.drafters import Candidates, DraftState
-from eval.runtime.model import LeanLlama
+from eval.runtime.model import LeanLlama, Linear
 from eval.runtime.sampling import probabilities, sample
 from heads.dflash import DflashHead, block_tokens
 
@@ -51,6 +52,10 @@ class DflashDrafter:
         parameter = next(head.parameters())
         self.dtype, self.device = parameter.dtype, parameter.device
         self.capacity = lean.config.max_seq_len
+        # the draft vocabulary's projection as a lean linear layer, each row count through the kernel
+        # measured for the target's lm_head (`linear_paths.follow`)
+        self.lm_head = Linear(head.lm_head.weight, pack=True) if self.vocab is not None else None
+        self.linear_paths = linear_paths.follow({"lm_head": [self.lm_head]}, lean.linear_sites()) if self.lm_head else {}
         self.reset(None)
 
     @property
@@ -100,8 +105,8 @@ class DflashDrafter:
         embeds = self.lean.embedding[tokens].to(self.dtype)  # (1, B, D)
         positions = torch.arange(length - 1, length - 1 + B, device=self.device)[None]
         out = self.head(embeds, positions, context)[0, 1: self.depth + 1]  # (depth, D)
-        if self.vocab is not None:  # (depth, Vd) over the head's own rows
-            return self.head.logits(out).float()
+        if self.lm_head is not None:  # (depth, Vd) over the head's own rows
+            return self.lm_head(self.head.norm(out)).float()
         normed = self.head.norm(out).to(self.lean.embedding.dtype)
         return self.lean.lm_head(normed).float()
 

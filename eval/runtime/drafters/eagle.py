@@ -31,6 +31,7 @@ from typing import Sequence
 
 import torch
 
+from eval.runtime import linear_paths
 from eval.runtime.drafters import Candidates, DraftState, eagle_batch
 from eval.runtime.drafters.eagle_tree import select_tree
 from eval.runtime.drafters.lean_head import LeanEagleHead
@@ -63,6 +64,8 @@ class EagleDrafter:
         self.dtype = next(head.parameters()).dtype
         lm_head = None if isinstance(head, Eagle3Head) else lean.lm_head
         self.runtime = self.lean_head(head, capacity=lean.config.max_seq_len, lm_head=lm_head, draft_vocab=draft_vocab)
+        # the head's layers run each row count through the kernel measured for the target's same role
+        self.linear_paths = linear_paths.follow(self.runtime.linear_sites(), lean.linear_sites())
         self.feature_layers = self.runtime.feature_layers
         self.vocab = self.runtime.vocab  # (Vd,) target ids of the draft logits' columns, or None
         self.catch_up_output: torch.Tensor | None = None

@@ -167,6 +167,16 @@ class LeanEagleHead:
         self.length = 0
         self.drafted = 0
 
+    def linear_sites(self) -> dict[str, list[Linear]]:
+        """The linear layers by role, named as the target's (`LeanLlama.linear_sites`) where they play
+        the same part: fc, the decoder layer's, and the draft vocabulary's projection (lm_head)."""
+        sites = {"fc": [self.head_inputs.fc], "qkv_proj": [self.qkv], "o_proj": [self.o],
+                 "gate_up_proj": [self.gate_up], "down_proj": [self.down]}
+        projection = getattr(self.head_inputs, "lm_head", None) or getattr(self.head_inputs, "projection", None)
+        if isinstance(projection, Linear) and (self.vocab is not None or isinstance(self.head_inputs, Eagle3Inputs)):
+            sites["lm_head"] = [projection]  # the target's own lm_head (EAGLE-1/2, full vocabulary) is not the head's
+        return sites
+
     def _reserve(self, size: int) -> None:
         if size > self.k.shape[1]:
             size = max(size, self.k.shape[1] + _GROW)

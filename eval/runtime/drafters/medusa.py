@@ -11,9 +11,10 @@ from typing import Sequence
 
 import torch
 
+from eval.runtime import linear_paths
 from eval.runtime.drafters import Candidates, DraftState
 from eval.runtime.medusa_trees import Choices, choices_to_parents, normalize_choices
-from eval.runtime.model import LeanLlama
+from eval.runtime.model import LeanLlama, Linear
 from heads.medusa import MedusaHeads
 
 
@@ -32,16 +33,19 @@ class MedusaDrafter:
         self.head_index = torch.tensor([len(path) - 1 for path in self.choices])  # (N,)
         self.rank_index = torch.tensor([path[-1] for path in self.choices])  # (N,)
         self.top = int(self.rank_index.max()) + 1
-        # Transposed contiguous vocabulary projections (x @ W_t is the fast CPU GEMV).
+        # The vocabulary projections as the lean target's linear layers, each row count through the
+        # kernel measured for the target's lm_head (`linear_paths.follow`); the shared full lm_head is
+        # the target's own layer.
         self.vocab = None if draft_vocab is None else torch.as_tensor(draft_vocab, dtype=torch.long)
-        shared = lean.lm_head.weight_t  # (D, V)
-        if self.vocab is not None:
-            shared = shared[:, self.vocab].contiguous()  # (D, Vd)
-        rows = slice(None) if self.vocab is None else self.vocab
-        self.projections = [
-            shared if heads.config.share_lm_head else heads.lm_head_weight(k).detach()[rows].t().contiguous()
-            for k in range(self.num_used)
-        ]
+        if heads.config.share_lm_head:
+            shared = lean.lm_head if self.vocab is None else \
+                Linear(lean.lm_head.weight_t[:, self.vocab].t(), pack=True)  # (Vd, D) rows
+            self.projections = [shared] * self.num_used
+        else:
+            rows = slice(None) if self.vocab is None else self.vocab
+            self.projections = [Linear(heads.lm_head_weight(k).detach()[rows], pack=True) for k in range(self.num_used)]
+        own = {id(p): p for p in self.projections if p is not lean.lm_head}
+        self.linear_paths = linear_paths.follow({"lm_head": list(own.values())}, lean.linear_sites()) if own else {}
 
     def reset(self, prompt: torch.Tensor) -> None:
         pass
@@ -50,7 +54,7 @@ class MedusaDrafter:
     def head_logits(self, features: torch.Tensor) -> torch.Tensor:
         """(n, D) target features -> (K_used, n, Vd) float logits (Vd = V without draft_vocab)."""
         x = features[None].to(self.head_dtype)  # (1, n, D): the heads run in their own dtype
-        return torch.stack([(self.heads.hidden_one(k, x)[0].to(self.projections[k].dtype) @ self.projections[k]).float()
+        return torch.stack([self.projections[k](self.heads.hidden_one(k, x)[0].to(self.projections[k].weight_t.dtype)).float()
                             for k in range(self.num_used)])
 
     @torch.no_grad()
