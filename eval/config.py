@@ -51,6 +51,9 @@ class RuntimeConfig:
     # The target's compute dtype in eval (plain, speculative and transformers' generate alike): target (as
     # loaded) | auto (measured decode + verify step: fp32, or bf16 on CPUs with AVX512-BF16/AMX) | float32 | bfloat16.
     dtype: str = "target"
+    # The draft head's dtype in eval: float32 (as trained and exported for training) | runtime (the
+    # target's dtype above: a bf16 target's head drafts in bf16 too, as vLLM runs a draft model).
+    head_dtype: str = "float32"
     # How each linear layer runs each row count: default (one rule for every machine) | auto (the fastest
     # path measured per layer role and row count at start, eval.runtime.linear_paths) | a path name (forced).
     linear_paths: str = "default"
@@ -97,6 +100,7 @@ def check_runtime(r: RuntimeConfig) -> None:
     need(r.threads is None or (_is_int(r.threads) and r.threads >= 0), "threads", "must be null or an int >= 0")
     need(r.dtype in ("auto", "target", "float32", "fp32", "bfloat16", "bf16"), "dtype",
          "is not one of ['auto', 'target', 'float32', 'bfloat16']")
+    need(r.head_dtype in ("float32", "runtime"), "head_dtype", "is not one of ['float32', 'runtime']")
     need(r.linear_paths in ("auto", "default", "gemv_t", "linear", "tall", "rows", "dnnl"), "linear_paths",
          "is not one of ['auto', 'default'] or a path (gemv_t, linear, tall, rows, dnnl)")
     need(isinstance(r.linear_paths_budget, (int, float)) and r.linear_paths_budget >= 1, "linear_paths_budget",

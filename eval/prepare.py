@@ -138,6 +138,20 @@ def _in_dtype(model: nn.Module, dtype: torch.dtype) -> nn.Module:
     return copy.deepcopy(model).to(dtype).eval()
 
 
+def head_in_dtype(head: nn.Module, dtype: torch.dtype) -> nn.Module:
+    """A copy of a draft head whose parameters are in `dtype` (`runtime.head_dtype=runtime`: the
+    target's chosen dtype, so that a head behind a bf16 target reads half the bytes per draft step
+    and runs the kernels measured for bf16). Floating buffers stay as they are: RoPE's inverse
+    frequencies lose their low digits in bf16. The head itself is unchanged."""
+    if all(p.dtype == dtype for p in head.parameters()):
+        return head
+    copied = copy.deepcopy(head)
+    for parameter in copied.parameters():
+        if parameter.is_floating_point():
+            parameter.data = parameter.data.to(dtype)
+    return copied.eval()
+
+
 @dataclass
 class Candidate:
     """The target built in one dtype: the transformers model, its lean forward, what the linear

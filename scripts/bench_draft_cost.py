@@ -5,13 +5,15 @@ head forward over the new token, and the accept step's refresh of the head over 
 
     .venv/bin/python scripts/bench_draft_cost.py --head runs/kinds/eagle_smollm2_135m/export/native \
         --head runs/kinds/dflash_smollm2_135m/export/native [--prompts 4] [--tokens 48] [--threads 2] \
-        [--json FILE]
+        [--head-dtype float32 --head-dtype runtime] [--json FILE]
 
 Each head runs its kind's chain drafter (`eagle_chain` at runtime.chain_depth, `peagle_chain`,
 `dflash_chain`), `peagle_tree` and `medusa` where the head is of that kind, with the fallback gate
 off so every step drafts; the EAGLE heads also run `eagle_chain` at depth 1, the unit the draft costs
 are counted in. Prompts are the held-out prompts of the default data (as scripts/bench_engine.py
-takes them); greedy output is checked against plain decoding. Prompt by prompt, plain decoding and
+takes them); greedy output is checked against plain decoding. `--head-dtype runtime` runs
+the heads in the target's dtype (`runtime.head_dtype`); given twice, both, each counted in the
+EAGLE head forward of its own dtype. Prompt by prompt, plain decoding and
 every drafter run in turn, so a drift in the machine's speed reaches all of them alike. Each time is
 the median step (the mean beside it in --json). Rows of one run compare; on a machine
 shared with another job no figure does (docs/performance.md).
@@ -66,6 +68,9 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=48)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
+    parser.add_argument("--head-dtype", action="append", choices=["float32", "runtime"],
+                        help="the heads' dtype: float32 (as trained), runtime (the target's); repeat to run both "
+                             "(default float32)")
     parser.add_argument("--json", type=Path, help="write the figures here too")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -74,7 +79,7 @@ def main() -> None:
 
     from data.config import DataConfig
     from eval.config import RuntimeConfig
-    from eval.prepare import prepare_target, runtime_sizes
+    from eval.prepare import dtype_name, head_in_dtype, prepare_target, runtime_sizes
     from eval.run import build_methods
     from eval.runtime.drafters.kinds import drafters_for
     from eval.runtime.generate import plain_generate, speculative_generate
@@ -96,16 +101,19 @@ def main() -> None:
                                     prompts[0], max_len)
     plain_generate(lean, prompts[0][:8], 4, sampling, eos)  # first-call overheads
     entries = []  # (folder, head type, label, drafter)
-    for folder in args.head:
+    for folder, head_dtype in [(f, d) for f in args.head for d in (args.head_dtype or ["float32"])]:
         head, _ = load_eval_head(folder, target)
         head = head.to(lean.output_device)
+        if head_dtype == "runtime":
+            head = head_in_dtype(head, lean.embedding.dtype)
+        suffix = "" if next(head.parameters()).dtype == torch.float32 else "/" + dtype_name(next(head.parameters()).dtype)
         names = [n for n in KIND_DRAFTERS if n in drafters_for(head)]
         runs = [(runtime, n, f"{n}@{TREE_TOKENS}" if n == "eagle_tree" else n) for n in names]
         if "eagle_chain" in names:
             runs.append((dataclasses.replace(runtime, chain_depth=1), "eagle_chain", "eagle_chain@1"))
         for settings, name, label in runs:
             methods, _ = build_methods([name], settings, lean, head, prompts, eos)
-            entries.append((folder, type(head).__name__, label, methods[-1].build()))
+            entries.append((folder, type(head).__name__, label + suffix, methods[-1].build()))
     # Prompt by prompt, plain decoding and then every drafter in turn: a host whose speed drifts
     # during the run moves every drafter's steps alike instead of the heads measured last.
     plain, results = [], [[] for _ in entries]
@@ -122,22 +130,26 @@ def main() -> None:
         print(f"{folder}  {label:14s} draft {row['draft_ms_per_step']:6.1f} ms  verify "
               f"{row['verify_ms_per_step']:6.1f} ms  tau {row['tau']:.2f}  est {row['speedup_est']:.2f}x  tree {row['mean_tree_size']:.1f}  "
               f"greedy identical {row['greedy_identical']}", flush=True)
-    unit = next((r["draft_ms_per_step"] for r in rows if r["drafter"] == "eagle_chain@1"
-                 and r["head_type"] == "EagleHead"), None)
+    # the unit: the EAGLE-1/2 head's one-token chain with the heads in the same dtype
+    units = {r["drafter"].removeprefix("eagle_chain@1"): r["draft_ms_per_step"] for r in rows
+             if r["drafter"].startswith("eagle_chain@1") and r["head_type"] == "EagleHead"}
+    unit = units.get("")
     hardware, dtype = cpu_hardware(), setup.get("dtype", {}).get("chosen", args.dtype)
     lines = [f"Draft cost per speculative step, {len(prompts)} held-out prompts x {args.tokens} tokens, greedy, "
              f"{dtype}, {hardware}; median step of each drafter; plain decode step {plain_ms:.1f} ms (median prompt).", "",
              "| head | drafter | draft ms/step | in EAGLE head forwards | verify ms/step | tree size | τ | vs plain | greedy identical |",
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for row in rows:
-        forwards = "–" if unit is None else f"{row['draft_ms_per_step'] / unit:.2f}"
+        own = units.get(row["drafter"][row["drafter"].index("/"):] if "/" in row["drafter"] else "")
+        forwards = "–" if own is None else f"{row['draft_ms_per_step'] / own:.2f}"
         lines.append(f"| {row['head_type']} | {row['drafter']} | {row['draft_ms_per_step']:.1f} | {forwards} | "
                      f"{row['verify_ms_per_step']:.1f} | {row['mean_tree_size']:.1f} | {row['tau']:.2f} | "
                      f"{row['speedup_est']:.2f}x | {row['greedy_identical']} |")
     print("\n".join(lines))
     if args.json:
         args.json.write_text(json.dumps({"hardware": hardware, "dtype": dtype, "plain_ms_per_step": plain_ms,
-                                         "eagle_head_forward_ms": unit, "rows": rows}, indent=1))
+                                         "eagle_head_forward_ms": unit,
+                                         "eagle_head_forward_ms_by_head_dtype": units, "rows": rows}, indent=1))
 
 
 if __name__ == "__main__":

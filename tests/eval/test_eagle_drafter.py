@@ -11,6 +11,8 @@ from dataclasses import dataclass
 import pytest
 import torch
 
+from eval.prepare import head_in_dtype
+from eval.runtime import linear_paths
 from eval.runtime.drafters import DraftState
 from eval.runtime.drafters.eagle import EagleDrafter
 from eval.runtime.drafters.eagle_tree import select_tree
@@ -97,11 +99,17 @@ def test_greedy_speculative_equals_plain(kind, mode, which):
         assert sum(accepted) / len(accepted) > 0.7
 
 
+@pytest.mark.parametrize("head_dtype", ["float32", "runtime"])
 @pytest.mark.parametrize("mode", ["chain", "tree"])
-def test_greedy_speculative_equals_plain_in_bf16(kind, mode):
+def test_greedy_speculative_equals_plain_in_bf16(kind, mode, head_dtype):
+    """A bf16 target with its paths installed, the head in fp32 (its own paths) or in bf16
+    (`runtime.head_dtype=runtime`: the target's paths)."""
     pair = kind["warm"]
     bf16 = LeanLlama.from_hf(copy.deepcopy(pair.target.model).to(torch.bfloat16), max_seq_len=256)
-    drafter = EagleDrafter(pair.head, bf16, mode=mode, depth=3, top_k=3, total_tokens=8)  # the head stays fp32
+    linear_paths.force_path(bf16, "linear")
+    head = pair.head if head_dtype == "float32" else head_in_dtype(pair.head, torch.bfloat16)
+    drafter = EagleDrafter(head, bf16, mode=mode, depth=3, top_k=3, total_tokens=8)
+    assert bool(drafter.linear_paths) == (head_dtype == "runtime")
     for prompt in prompts(4):
         plain = plain_generate(bf16, prompt, NEW_TOKENS).tokens
         assert speculative_generate(bf16, drafter, prompt, NEW_TOKENS).tokens == plain
@@ -310,3 +318,12 @@ def test_eagle3_drafts_in_its_vocabulary_through_d2t():
     sampled, _ = _proposal(EagleDrafter(head, lean, mode="chain", depth=2), lean, prompts(1)[0], temperature=1.0)
     assert sampled.draft_probs.shape == (2, 128) and float(sampled.draft_probs[:, 1::2].sum()) == 0.0
     torch.testing.assert_close(sampled.draft_probs.sum(-1), torch.ones(2))
+
+
+def test_head_in_dtype_casts_a_copy_of_the_parameters_only(kind):
+    head = kind["warm"].head
+    cast = head_in_dtype(head, torch.bfloat16)
+    assert {p.dtype for p in cast.parameters()} == {torch.bfloat16}
+    assert {p.dtype for p in head.parameters()} == {torch.float32}  # the head itself unchanged
+    assert cast.inv_freq.dtype == torch.float32 and torch.equal(cast.inv_freq, head.inv_freq)
+    assert head_in_dtype(head, torch.float32) is head
