@@ -146,8 +146,8 @@ def _run_stages(job: JobConfig) -> dict:
         checkpoint = result.best_checkpoint or result.last_checkpoint
         if int(os.environ.get("RANK", "0")) == 0:  # a later stage that fails keeps the training figures
             _write_json(run_dir / "job_summary.json", {**earlier, **summary})
-    else:
-        checkpoint = Path(job.trainer.init_from) if job.trainer.init_from else _latest_checkpoint(run_dir)
+    else:  # the run's own head first: the later stages of a run that started from another head export what it trained
+        checkpoint = _latest_checkpoint(run_dir) or (Path(job.trainer.init_from) if job.trainer.init_from else None)
     if {"eval", "export"} & set(job.stages):
         from train.distributed import run_on_main_process
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from tests.helpers import pipeline_job
 from train.pipeline import run_job
@@ -43,6 +44,15 @@ def test_job_runs_every_stage(tiny_chat_model, tmp_path):
     assert resumed["train"]["started_from"] == {"path": summary["export"]["eagle"], "recipe": summary["recipe"],
                                                 "steps": 2}
     assert summary["train"]["started_from"] is None
+    # Its later stages, run with the same overrides, export the head it trained, not the one it started from.
+    out = tmp_path / "y"
+    run_job(pipeline_job(tiny_chat_model, tmp_path, "again", 1, f"trainer.init_from={summary['export']['eagle']}",
+                         "stages=[export]", f"export.out={out}"))
+    from export.validate import load_export
+
+    exported, trained = (load_export(folder)[0].state_dict() for folder in (out / "native", resumed["train"]["best_checkpoint"]))
+    assert all(torch.equal(exported[k], trained[k]) for k in trained)
+    assert json.loads((out / "native" / "specheads.json").read_text())["training"]["steps"] == 1
 
 
 def test_a_failed_eval_keeps_the_training_figures_for_a_later_export(tiny_chat_model, tmp_path, monkeypatch):
