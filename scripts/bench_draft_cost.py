@@ -68,6 +68,9 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=48)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
+    parser.add_argument("--linear-paths", default="auto",
+                        help="runtime.linear_paths: auto (measured per role and row count, as the CPU eval runs; "
+                             "the heads follow the target's), default, or a path name")
     parser.add_argument("--head-dtype", action="append", choices=["float32", "runtime"],
                         help="the heads' dtype: float32 (as trained), runtime (the target's); repeat to run both "
                              "(default float32)")
@@ -90,6 +93,7 @@ def main() -> None:
 
     torch.set_num_threads(args.threads)
     runtime = RuntimeConfig(max_new_tokens=args.tokens, num_prompts=args.prompts, dtype=args.dtype,
+                            linear_paths=args.linear_paths,
                             threads=args.threads, fallback=False, compare_transformers=False,
                             tree_total_tokens=TREE_TOKENS, tree_sweep=[], peagle_tree_tokens=TREE_TOKENS)
     target = load_target(TargetConfig(device="cpu"))
@@ -124,9 +128,10 @@ def main() -> None:
     reference = [r.tokens for r in plain]
     plain_ms = 1000.0 * statistics.median(r.decode_time / max(len(r.tokens) - 1, 1) for r in plain)  # median prompt
     rows = []
-    for (folder, head_type, label, _), done in zip(entries, results):
+    for (folder, head_type, label, drafter), done in zip(entries, results):
         row = summarize(done, reference, plain_ms)
-        rows.append({"head": str(folder), "head_type": head_type, "drafter": label, **row})
+        rows.append({"head": str(folder), "head_type": head_type, "drafter": label, **row,
+                     "followed_paths": getattr(drafter, "linear_paths", None)})
         print(f"{folder}  {label:14s} draft {row['draft_ms_per_step']:6.1f} ms  verify "
               f"{row['verify_ms_per_step']:6.1f} ms  tau {row['tau']:.2f}  est {row['speedup_est']:.2f}x  tree {row['mean_tree_size']:.1f}  "
               f"greedy identical {row['greedy_identical']}", flush=True)
@@ -136,7 +141,8 @@ def main() -> None:
     unit = units.get("")
     hardware, dtype = cpu_hardware(), setup.get("dtype", {}).get("chosen", args.dtype)
     lines = [f"Draft cost per speculative step, {len(prompts)} held-out prompts x {args.tokens} tokens, greedy, "
-             f"{dtype}, {hardware}; median step of each drafter; plain decode step {plain_ms:.1f} ms (median prompt).", "",
+             f"{dtype}, linear paths {args.linear_paths}, {hardware}; median step of each drafter; plain decode step "
+             f"{plain_ms:.1f} ms (median prompt).", "",
              "| head | drafter | draft ms/step | in EAGLE head forwards | verify ms/step | tree size | τ | vs plain | greedy identical |",
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for row in rows:
@@ -147,7 +153,8 @@ def main() -> None:
                      f"{row['speedup_est']:.2f}x | {row['greedy_identical']} |")
     print("\n".join(lines))
     if args.json:
-        args.json.write_text(json.dumps({"hardware": hardware, "dtype": dtype, "plain_ms_per_step": plain_ms,
+        args.json.write_text(json.dumps({"hardware": hardware, "dtype": dtype, "linear_paths": args.linear_paths,
+                                         "plain_ms_per_step": plain_ms,
                                          "eagle_head_forward_ms": unit,
                                          "eagle_head_forward_ms_by_head_dtype": units, "rows": rows}, indent=1))
 

@@ -83,3 +83,19 @@ def test_norms_table_reads_each_option_run(tmp_path: Path):
     assert "0.250 / – / – / –" in lines["as trained above"] and "| 1.400 |" in lines["as trained above"]
     assert "90 (max_minutes) | 0.270 / 0.200 / 0.150 / 0.100 | 1.330" in lines["`fc_norm`"]
     assert "not run" in lines["`norm_before_fc`"] and "not run" in lines["`norm_output`"]
+
+
+def test_a_draft_cost_run_with_heads_in_two_dtypes_counts_each_in_its_own_unit(out: Path, tmp_path: Path):
+    """bench_draft_cost.py --head-dtype float32 --head-dtype runtime: a "/bfloat16" row is counted in
+    the bf16 heads' one-token chain, and may be the kind's pick."""
+    dflash = str(out / "dflash_smollm2_135m" / "export" / "native")
+    cost = tmp_path / "bf16.json"
+    _write(cost, {"eagle_head_forward_ms": 5.0, "eagle_head_forward_ms_by_head_dtype": {"": 5.0, "/bfloat16": 4.0},
+                  "dtype": "bfloat16", "linear_paths": "auto", "rows": [
+        {"head": dflash, "drafter": "dflash_chain", "draft_ms_per_step": 6.0, "tau": 1.5, "speedup_est": 1.4},
+        {"head": dflash, "drafter": "dflash_chain/bfloat16", "draft_ms_per_step": 6.0, "tau": 1.5, "speedup_est": 1.6},
+        {"head": dflash, "drafter": "eagle_chain@1/bfloat16", "draft_ms_per_step": 1.0, "speedup_est": 9.9}]})
+    body, notes = table(out, cost)
+    line = next(line for line in body.splitlines() if line.startswith("| DFlash"))
+    assert "`dflash_chain/bfloat16` 1.50" in line and "6.0 (1.50)" in line and "1.60x" in line
+    assert "linear paths auto" in notes[0]
