@@ -28,7 +28,10 @@ ROOT = Path(__file__).resolve().parent.parent
 ASSETS = Path(__file__).resolve().parent / "assets" / "goldens"
 # release head -> (its held-out file, the data overrides its training command added to the recipe)
 RELEASES = {
-    "eagle_smollm2_135m": ("release_heldout.jsonl", []),
+    # trained on from the previous release head (eagle_smollm2_135m_long, 2,400 steps) for 4,000 steps (docs/results.md):
+    # python -m train +recipe=eagle_smollm2_135m_corpus data.max_records=4096 trainer.init_from=<that head>
+    #   trainer.seed=1 trainer.schedule_clock=minutes trainer.max_minutes=55 trainer.max_steps=4000
+    "eagle_smollm2_135m": ("release_heldout.jsonl", ["data.max_records=4096"]),
     # 55 minutes on the corpus's first 3,072 conversations, then 70 more from that checkpoint (docs/results.md):
     # python -m train +recipe=eagle3_smollm2_135m_corpus data.max_records=3072 trainer.init_from=<step 761>
     #   trainer.seed=1 trainer.schedule_clock=minutes trainer.max_minutes=70 trainer.max_steps=3000
