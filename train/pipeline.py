@@ -403,7 +403,10 @@ def started_from(source: str | None) -> dict | None:
 
 def _eval_figures(summary: dict) -> dict:
     report = summary.get("eval") or {}
-    figures = {"hardware": summary.get("hardware"), "threads": report.get("threads")}
+    # where the eval ran (its report's own record), not the job writing the manifest: an export-only
+    # job on other threads or another machine would credit the figures to itself
+    measured = (report.get("measured_on") or {}).get("hardware")
+    figures = {"hardware": measured or summary.get("hardware"), "threads": report.get("threads")}
     for row in report.get("drafters", []):
         figures[row["name"]] = {key: row.get(key) for key in
                                 ("tau", "tokens_per_second", "speedup_vs_plain", "speedup_vs_transformers")}

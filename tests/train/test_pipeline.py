@@ -193,3 +193,17 @@ def test_eagle3_options_job_runs_every_stage(tiny_chat_model, tmp_path):
     for fmt in ("eagle3_vllm", "speculators"):
         config = json.loads((tmp_path / "run" / "export" / fmt / "config.json").read_text())
         assert (config["norm_before_fc"], config["fc_norm"], config["norm_output"]) == (True, False, True)
+
+
+def test_the_manifest_credits_eval_figures_to_the_machine_the_eval_ran_on():
+    """An export-only job (other threads, another machine) writes the eval figures a run measured
+    earlier: their hardware is the eval report's, not the exporting job's."""
+    from train.pipeline import _eval_figures
+
+    summary = {"hardware": "CPU Y, 1 threads", "eval": {
+        "threads": 2, "measured_on": {"device_type": "cpu", "hardware": "CPU X, 2 threads"},
+        "drafters": [{"name": "eagle_tree", "tau": 2.0, "speedup_vs_plain": 1.5}]}}
+    figures = _eval_figures(summary)
+    assert figures["hardware"] == "CPU X, 2 threads" and figures["eagle_tree"]["tau"] == 2.0
+    del summary["eval"]["measured_on"]  # a report from before it recorded the machine
+    assert _eval_figures(summary)["hardware"] == "CPU Y, 1 threads"
