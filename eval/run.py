@@ -17,7 +17,7 @@ from eval.batch_eval import evaluate_batches
 from eval.calibrate import eagle_tree_budget, medusa_choices, verify_costs
 from eval.config import DRAFTERS, RuntimeConfig
 from eval.divergence import classify
-from eval.prepare import head_in_dtype, prepare_target, runtime_sizes
+from eval.prepare import dtype_name, head_in_dtype, prepare_target, runtime_sizes
 from eval.recommend import head_fields, recommended_runtime
 from eval.report import write_report
 from eval.runtime.clock import device_clock, module_device
@@ -282,7 +282,7 @@ def evaluate(target, prompts: Sequence[Sequence[int]], drafter_specs: Sequence[s
         head = head.to(lean.output_device)
         if runtime.head_dtype == "runtime":
             head = head_in_dtype(head, lean.embedding.dtype)
-        setup = {**setup, "head_dtype": str(next(head.parameters()).dtype).removeprefix("torch.")}
+        setup = {**setup, "head_dtype": dtype_name(next(head.parameters()).dtype)}
     vocabulary = _vocabulary_note(head) if head is not None else None
     sweep = bool(runtime.batch_sizes)  # per batch size the policy decides when to speculate: no fallback gate
     methods, extra = build_methods(specs, dataclasses.replace(runtime, fallback=False) if sweep else runtime, lean,

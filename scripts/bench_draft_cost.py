@@ -36,6 +36,12 @@ TREE_TOKENS = 8  # the EAGLE and P-EAGLE trees verify the same number of tokens 
 KIND_DRAFTERS = ("eagle_chain", "eagle_tree", "peagle_chain", "peagle_tree", "dflash_chain", "medusa")
 
 
+def unit_key(drafter: str) -> str:
+    """The head-dtype part of a drafter label ("/bfloat16" in "peagle_tree/bfloat16"; "" for fp32
+    heads): the key of the one-token EAGLE chain its draft cost is counted in."""
+    return drafter[drafter.index("/"):] if "/" in drafter else ""
+
+
 def _mean_ms(values: list[float]) -> float:
     return 1000.0 * sum(values) / max(len(values), 1)
 
@@ -110,7 +116,8 @@ def main() -> None:
         head = head.to(lean.output_device)
         if head_dtype == "runtime":
             head = head_in_dtype(head, lean.embedding.dtype)
-        suffix = "" if next(head.parameters()).dtype == torch.float32 else "/" + dtype_name(next(head.parameters()).dtype)
+        weights = next(head.parameters()).dtype
+        suffix = "" if weights == torch.float32 else "/" + dtype_name(weights)
         names = [n for n in KIND_DRAFTERS if n in drafters_for(head)]
         runs = [(runtime, n, f"{n}@{TREE_TOKENS}" if n == "eagle_tree" else n) for n in names]
         if "eagle_chain" in names:
@@ -136,7 +143,7 @@ def main() -> None:
               f"{row['verify_ms_per_step']:6.1f} ms  tau {row['tau']:.2f}  est {row['speedup_est']:.2f}x  tree {row['mean_tree_size']:.1f}  "
               f"greedy identical {row['greedy_identical']}", flush=True)
     # the unit: the EAGLE-1/2 head's one-token chain with the heads in the same dtype
-    units = {r["drafter"].removeprefix("eagle_chain@1"): r["draft_ms_per_step"] for r in rows
+    units = {unit_key(r["drafter"]): r["draft_ms_per_step"] for r in rows
              if r["drafter"].startswith("eagle_chain@1") and r["head_type"] == "EagleHead"}
     unit = units.get("")
     hardware, dtype = cpu_hardware(), setup.get("dtype", {}).get("chosen", args.dtype)
@@ -146,7 +153,7 @@ def main() -> None:
              "| head | drafter | draft ms/step | in EAGLE head forwards | verify ms/step | tree size | τ | vs plain | greedy identical |",
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for row in rows:
-        own = units.get(row["drafter"][row["drafter"].index("/"):] if "/" in row["drafter"] else "")
+        own = units.get(unit_key(row["drafter"]))
         forwards = "–" if own is None else f"{row['draft_ms_per_step'] / own:.2f}"
         lines.append(f"| {row['head_type']} | {row['drafter']} | {row['draft_ms_per_step']:.1f} | {forwards} | "
                      f"{row['verify_ms_per_step']:.1f} | {row['mean_tree_size']:.1f} | {row['tau']:.2f} | "

@@ -23,6 +23,7 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
+from scripts.bench_draft_cost import unit_key  # noqa: E402
 from scripts.results_table import write_block  # noqa: E402
 
 BEGIN, END = "<!-- kinds:begin -->", "<!-- kinds:end -->"
@@ -73,7 +74,7 @@ def draft_costs(data: dict | None) -> dict[tuple[str, str], dict]:
     found = {}
     for row in data.get("rows", []):
         recipe = next((name for name in KINDS if f"/{name}/" in f"/{row['head']}/"), None)
-        unit = units.get(row["drafter"][row["drafter"].index("/"):] if "/" in row["drafter"] else "")
+        unit = units.get(unit_key(row["drafter"]))
         if recipe is not None:
             found[(recipe, row["drafter"])] = {**row, "forwards": row["draft_ms_per_step"] / unit if unit else None}
     return found

@@ -55,7 +55,8 @@ class DflashDrafter:
         # the draft vocabulary's projection as a lean linear layer, each row count through the kernel
         # measured for the target's lm_head (`linear_paths.follow`)
         self.lm_head = Linear(head.lm_head.weight, pack=True) if self.vocab is not None else None
-        self.linear_paths = linear_paths.follow({"lm_head": [self.lm_head]}, lean.linear_sites()) if self.lm_head else {}
+        self.linear_paths = linear_paths.follow({"lm_head": [self.lm_head]}, lean.linear_sites()) \
+            if self.lm_head is not None else {}
         self.reset(None)
 
     @property

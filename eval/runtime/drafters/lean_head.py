@@ -60,6 +60,9 @@ class HeadInputs(Protocol):
     def logits(self, out: torch.Tensor) -> torch.Tensor:
         """(n, D) layer outputs -> (n, Vd) float draft logits."""
 
+    def linear_sites(self) -> dict[str, list[Linear]]:
+        """The head's own linear layers here, by role (`LeanEagleHead.linear_sites`)."""
+
 
 class Eagle1Inputs:
     """EAGLE-1/2: x = fc(cat(e, f)) is the attention input and the residual; logits through the
@@ -83,6 +86,11 @@ class Eagle1Inputs:
 
     def feedback(self, out):
         return out  # f̂ itself
+
+    def linear_sites(self):
+        # the target's own lm_head (full vocabulary) is the target's layer, not the head's
+        own = self.projection is not None and self.vocab is not None
+        return {"fc": [self.fc], **({"lm_head": [self.projection]} if own else {})}
 
     def logits(self, out):
         if self.projection is None:
@@ -120,6 +128,9 @@ class Eagle3Inputs:
 
     def feedback(self, out):
         return self.norm(out) if self.norm_output else out
+
+    def linear_sites(self):
+        return {"fc": [self.fc], "lm_head": [self.lm_head]}
 
     def inputs(self, embeds, hidden):
         normed = self.hidden_norm(hidden)
@@ -170,12 +181,8 @@ class LeanEagleHead:
     def linear_sites(self) -> dict[str, list[Linear]]:
         """The linear layers by role, named as the target's (`LeanLlama.linear_sites`) where they play
         the same part: fc, the decoder layer's, and the draft vocabulary's projection (lm_head)."""
-        sites = {"fc": [self.head_inputs.fc], "qkv_proj": [self.qkv], "o_proj": [self.o],
-                 "gate_up_proj": [self.gate_up], "down_proj": [self.down]}
-        projection = getattr(self.head_inputs, "lm_head", None) or getattr(self.head_inputs, "projection", None)
-        if isinstance(projection, Linear) and (self.vocab is not None or isinstance(self.head_inputs, Eagle3Inputs)):
-            sites["lm_head"] = [projection]  # the target's own lm_head (EAGLE-1/2, full vocabulary) is not the head's
-        return sites
+        return {"qkv_proj": [self.qkv], "o_proj": [self.o], "gate_up_proj": [self.gate_up], "down_proj": [self.down],
+                **self.head_inputs.linear_sites()}
 
     def _reserve(self, size: int) -> None:
         if size > self.k.shape[1]:

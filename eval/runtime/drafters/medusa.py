@@ -41,11 +41,12 @@ class MedusaDrafter:
             shared = lean.lm_head if self.vocab is None else \
                 Linear(lean.lm_head.weight_t[:, self.vocab].t(), pack=True)  # (Vd, D) rows
             self.projections = [shared] * self.num_used
+            own = [] if shared is lean.lm_head else [shared]
         else:
             rows = slice(None) if self.vocab is None else self.vocab
-            self.projections = [Linear(heads.lm_head_weight(k).detach()[rows], pack=True) for k in range(self.num_used)]
-        own = {id(p): p for p in self.projections if p is not lean.lm_head}
-        self.linear_paths = linear_paths.follow({"lm_head": list(own.values())}, lean.linear_sites()) if own else {}
+            own = self.projections = [Linear(heads.lm_head_weight(k).detach()[rows], pack=True)
+                                      for k in range(self.num_used)]
+        self.linear_paths = linear_paths.follow({"lm_head": own}, lean.linear_sites()) if own else {}
 
     def reset(self, prompt: torch.Tensor) -> None:
         pass
