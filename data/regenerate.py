@@ -10,9 +10,10 @@ Output: ShareGPT-style JSONL shards `regenerated-00000.jsonl` (`{"id", "conversa
 first missing shard; rank r of W writes shards r, r+W, ...; `merge_shards` concatenates them into
 `regenerated.jsonl`, which `data.source` can point to. Each shard has a sidecar
 `regenerated-00000.jsonl.key` naming what it was made from (its records' ids and the generation
-settings); a shard whose key does not match the current job (more `max_records` than the run that
-wrote it, other settings, another target), or that has no key, is written again instead of being
-reused.
+settings); a shard whose key does not match the current job (other settings, another target), or
+that has no key, is written again instead of being reused. A job's last shard that holds fewer
+records than a whole shard is named for its count (`regenerated-00001-first128.jsonl`): a job asking
+for fewer records reads or writes that file, never the complete shard a larger job made.
 
 The generator is a callable so the caller can pass the fast runtime (eval.runtime.generate) without data/
 importing eval/; `hf_generate_fn` wraps transformers' `generate`.
@@ -64,8 +65,19 @@ def hf_generate_fn(model, pad_id: int, eos_ids: Sequence[int]) -> GenerateFn:
     return generate
 
 
-def shard_name(index: int) -> str:
+def shard_name(index: int, records: int | None = None, shard_size: int | None = None) -> str:
+    """A shard's file name. A job's last shard holding fewer records than `shard_size` (max_records
+    not a multiple of it) has its own name, so it never replaces the complete shard that a job
+    building a larger corpus in the same folder wrote there."""
+    if records is not None and shard_size is not None and records < shard_size:
+        return f"regenerated-{index:05d}-first{records}.jsonl"
     return f"regenerated-{index:05d}.jsonl"
+
+
+def shard_names(num_records: int, shard_size: int) -> list[str]:
+    """The shards that hold the first `num_records` records, in order."""
+    count = -(-num_records // shard_size)
+    return [shard_name(s, min(shard_size, num_records - s * shard_size), shard_size) for s in range(count)]
 
 
 def _turn_limit(messages: list[dict], max_turns: int | None) -> int:
@@ -145,11 +157,11 @@ def shard_key(records: Sequence[dict], config: RegenerateConfig, max_prompt_toke
     return hashlib.sha256(payload.encode("utf-8")).hexdigest()[:32]
 
 
-def _shard_done(output_dir: Path, index: int, key: str) -> bool:
+def _shard_done(output_dir: Path, name: str, key: str) -> bool:
     """A shard can be reused when it exists and its key matches. A shard without a key (from before
     keys existed, or whose key was removed) was made by an unknown target with unknown settings:
     written again, like a mismatch."""
-    shard = output_dir / shard_name(index)
+    shard = output_dir / name
     if not shard.is_file():
         return False
     key_file = shard.with_name(shard.name + ".key")
@@ -179,7 +191,8 @@ def regenerate(records: Sequence[dict], tokenizer, generate_fn: GenerateFn, outp
     shards = range(rank, -(-len(records) // size), world_size)
     keys = {s: shard_key(records[s * size:(s + 1) * size], config, max_prompt_tokens, seed, target_identity, dtype)
             for s in shards}
-    missing = [s for s in shards if not _shard_done(output_dir, s, keys[s])]
+    names = shard_names(len(records), size)
+    missing = [s for s in shards if not _shard_done(output_dir, names[s], keys[s])]
     turns = {s: sum(m["role"] == "assistant" for r in records[s * size:(s + 1) * size]
                     for m in r["messages"][:_turn_limit(r["messages"], config.max_turns)]) for s in missing}
     log.info("regenerate: %d of %d shard(s) to write on rank %d (%d assistant turns), temperature %g, "
@@ -199,12 +212,12 @@ def regenerate(records: Sequence[dict], tokenizer, generate_fn: GenerateFn, outp
                          "(a first prompt longer than %d - %d new tokens, or a template mismatch)",
                          s, len(rows), len(shard), max_prompt_tokens, config.max_new_tokens)
             lines = [json.dumps(r, ensure_ascii=False) for r in rows]
-            tmp = output_dir / f".{shard_name(s)}.tmp-{os.getpid()}"
+            tmp = output_dir / f".{names[s]}.tmp-{os.getpid()}"
             tmp.write_text("".join(line + "\n" for line in lines), encoding="utf-8")
-            key_tmp = output_dir / f".{shard_name(s)}.key.tmp-{os.getpid()}"
+            key_tmp = output_dir / f".{names[s]}.key.tmp-{os.getpid()}"
             key_tmp.write_text(keys[s] + "\n", encoding="utf-8")
-            os.replace(key_tmp, output_dir / f"{shard_name(s)}.key")  # key first: a shard is never
-            os.replace(tmp, output_dir / shard_name(s))  # on disk beside a stale key
+            os.replace(key_tmp, output_dir / f"{names[s]}.key")  # key first: a shard is never
+            os.replace(tmp, output_dir / names[s])  # on disk beside a stale key
             written.append(s)
     finally:
         bar.close()
@@ -214,14 +227,14 @@ def regenerate(records: Sequence[dict], tokenizer, generate_fn: GenerateFn, outp
 def merge_shards(output_dir: str | os.PathLike, num_records: int, shard_size: int) -> Path:
     """Concatenate every shard, in order, into output_dir/regenerated.jsonl (atomically)."""
     output_dir = Path(output_dir)
-    count = -(-num_records // shard_size)
-    missing = [shard_name(s) for s in range(count) if not (output_dir / shard_name(s)).is_file()]
+    names = shard_names(num_records, shard_size)
+    missing = [name for name in names if not (output_dir / name).is_file()]
     if missing:
         raise FileNotFoundError(f"{output_dir}: shards not written yet: {missing[:5]}")
     target = output_dir / "regenerated.jsonl"
     tmp = output_dir / f".regenerated.jsonl.tmp-{os.getpid()}"
     with open(tmp, "w", encoding="utf-8") as out:
-        for s in range(count):
-            out.write((output_dir / shard_name(s)).read_text(encoding="utf-8"))
+        for name in names:
+            out.write((output_dir / name).read_text(encoding="utf-8"))
     os.replace(tmp, target)
     return target

@@ -29,6 +29,7 @@ from heads.io import build_head
 from train.eagle3_objective import feature_layers as aux_feature_layers, split_features
 from train.heldout import _greedy, _kept
 from train.objectives import FrozenParts, vocab_index
+from train.losses import top1
 
 log = logging.getLogger(__name__)
 
@@ -129,7 +130,7 @@ def dflash_step(head: nn.Module, parts: FrozenParts, batch: dict, features: torc
         logits = module.logits(out[start:start + chunk_size], parts.lm_head_weight).float()  # (n, V or Vd)
         label = labels[start:start + logits.shape[0]]
         ce.append(F.cross_entropy(logits, label.clamp(min=0), reduction="none"))
-        hits.append((logits.detach().argmax(-1) == label) & (label >= 0))
+        hits.append((top1(logits.detach()) == label) & (label >= 0))
     ce = torch.cat(ce) if ce else out.sum(-1) * 0.0
     ce = torch.where(inside, ce, torch.zeros_like(ce))
     hits = torch.cat(hits) if hits else torch.zeros(0, dtype=torch.bool, device=ids.device)

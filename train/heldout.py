@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from train.eagle3_objective import row_index, split_features, ttt_unroll
-from train.losses import chain_attention_mask, eagle_position_mask, medusa_position_mask, shift_left
+from train.losses import chain_attention_mask, eagle_position_mask, medusa_position_mask, shift_left, top1
 from train.objectives import FrozenParts
 
 
@@ -49,7 +49,7 @@ def _topk_hits(logits: torch.Tensor, truth: torch.Tensor, k: int = 5) -> tuple[t
 
 def _greedy(features: torch.Tensor, weight: torch.Tensor, chunk_size: int = 1024) -> torch.Tensor:
     """features (N, D) -> argmax tokens (N,), chunked over rows."""
-    return torch.cat([F.linear(features[s:s + chunk_size], weight).argmax(-1)
+    return torch.cat([top1(F.linear(features[s:s + chunk_size], weight))
                       for s in range(0, features.shape[0], chunk_size)]) if features.shape[0] else \
         torch.zeros(0, dtype=torch.long, device=features.device)
 

@@ -7,6 +7,7 @@ main process logs them, and only the main process writes files.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -130,14 +131,16 @@ def train_heads(job, target, data, source: FeatureSource | None = None, accelera
     fp32_heads = torch.float32 if device.type == "cpu" and target.dtype != torch.float32 else None
     parts = FrozenParts.from_target(target, device, fp32_heads)
     layers = kind.feature_layers(target.num_layers)
+    online = source is None  # the target's own dtype then bounds the features' precision
     source = source or OnlineFeatures(target, layers, fp32_heads)
     if source_layers(source) != layers:
         raise ValueError(f"the feature source supplies target layers {source_layers(source)}, but a {kind.name} "
                          f"head reads {layers}")
     eval_source = source
     if t.feature_memory_mb > 0:  # reuse each row's features across epochs and evaluations
-        source = MemoizedFeatures(source, t.feature_memory_mb)
-        eval_source = MemoizedFeatures(eval_source, t.feature_memory_mb)
+        keep = target.dtype if online else None
+        source = MemoizedFeatures(source, t.feature_memory_mb, keep)
+        eval_source = MemoizedFeatures(eval_source, t.feature_memory_mb, keep)
     head, head_config = build_head_for_job(job, target, kind, vocab)
     head.to(device)
     optimizer = torch.optim.AdamW(kind.param_groups(head, t.learning_rate), lr=t.learning_rate,
@@ -205,7 +208,10 @@ def train_heads(job, target, data, source: FeatureSource | None = None, accelera
 
     def score_held_out() -> dict:
         model = accelerator.unwrap_model(head).eval()
-        with accelerator.autocast():
+        # A CPU runtime drafts with fp32 heads (runtime.head_dtype), so held-out figures are scored
+        # in fp32 there whatever precision the steps trained in, and compare across precisions.
+        scoring = accelerator.autocast() if device.type != "cpu" else contextlib.nullcontext()
+        with scoring:
             metrics = run_held_out(model, kind, parts, eval_source, held_out, reduce, eval_cache)
         head.train()
         return metrics

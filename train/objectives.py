@@ -59,25 +59,31 @@ class MemoizedFeatures:
     `max_megabytes`; later epochs and repeated evaluations skip the target. For small CPU jobs
     that reuse a few thousand rows many times; a disk cache for large jobs is the offline mode."""
 
-    def __init__(self, source: FeatureSource, max_megabytes: float):
-        self.source, self.budget = source, max_megabytes * 2**20
+    def __init__(self, source: FeatureSource, max_megabytes: float, store_dtype: torch.dtype | None = None):
+        """store_dtype: the rows' dtype in memory (None: as the source returns them). A bf16 target's
+        features widened to fp32 for fp32 heads are kept in bf16, exactly, in half the memory."""
+        self.source, self.budget, self.store_dtype = source, max_megabytes * 2**20, store_dtype
         self.layers = source_layers(source)
         self.rows: dict[str, torch.Tensor] = {}
         self.used = 0
+        self.dtype: torch.dtype | None = None  # what the source returns, and so what this returns
 
     def __call__(self, batch: dict) -> torch.Tensor:
         ids, lengths = batch["ids"], batch["attention_mask"].sum(-1).tolist()
         if all(i in self.rows for i in ids):
             first = self.rows[ids[0]]
-            out = first.new_zeros(len(ids), batch["input_ids"].shape[1], first.shape[-1])  # (B, T, D)
+            out = first.new_zeros(len(ids), batch["input_ids"].shape[1], first.shape[-1],
+                                  dtype=self.dtype or first.dtype)  # (B, T, D)
             for b, (i, n) in enumerate(zip(ids, lengths)):
                 out[b, :n] = self.rows[i]
             return out
         features = self.source(batch)  # (B, T, D)
+        self.dtype = features.dtype
+        kept = features if self.store_dtype is None else features.to(self.store_dtype)
         for b, (i, n) in enumerate(zip(ids, lengths)):
-            size = n * features.shape[-1] * features.element_size()
+            size = n * kept.shape[-1] * kept.element_size()
             if i not in self.rows and self.used + size <= self.budget:
-                self.rows[i] = features[b, :n].clone()
+                self.rows[i] = kept[b, :n].clone()
                 self.used += size
         return features
 

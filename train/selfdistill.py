@@ -29,7 +29,7 @@ def regenerate_data(job, target, generate_fn=None) -> Path:
     """Self-distillation stage: regenerate the assistant turns of `data.source` with the target into
     data.regenerate.output_dir (default <run_dir>/regenerated); returns regenerated.jsonl, for
     `data.source`. Resumes at the first missing shard."""
-    from data.regenerate import hf_generate_fn, merge_shards, regenerate
+    from data.regenerate import hf_generate_fn, merge_shards, regenerate, shard_names
     from data.sources import load_conversations
 
     config = job.data.regenerate
@@ -44,8 +44,7 @@ def regenerate_data(job, target, generate_fn=None) -> Path:
     regenerate(records, target.tokenizer, generate_fn, directory, config, max_prompt_tokens=job.data.max_length,
                rank=rank, world_size=world, seed=job.trainer.seed, target_identity=target_identity(target),
                dtype=str(target.dtype).removeprefix("torch."))
-    shards = -(-len(records) // config.shard_size)
-    wait_for([directory / f"regenerated-{s:05d}.jsonl" for s in range(shards)], "regenerated shards")
+    wait_for([directory / name for name in shard_names(len(records), config.shard_size)], "regenerated shards")
     merged = directory / "regenerated.jsonl"
     if rank == 0:
         merge_shards(directory, len(records), config.shard_size)

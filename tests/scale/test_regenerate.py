@@ -45,7 +45,8 @@ def test_interrupted_regeneration_resumes_to_the_same_output(tmp_path, temperatu
     with pytest.raises(KeyboardInterrupt):
         regenerate(records, tokenizer, crashing, tmp_path / "resumed", config, progress=False)
     assert sorted(p.name for p in (tmp_path / "resumed").glob("regenerated-*.jsonl")) == [shard_name(0), shard_name(1)]
-    with pytest.raises(FileNotFoundError, match=shard_name(2)):
+    assert shard_name(2, 1, 2) == "regenerated-00002-first1.jsonl"  # the last shard holds 1 record of 2
+    with pytest.raises(FileNotFoundError, match=shard_name(2, 1, 2)):
         merge_shards(tmp_path / "resumed", len(records), config.shard_size)
     resumed = Counting(generate)
     again = regenerate(records, tokenizer, resumed, tmp_path / "resumed", config, progress=False)
@@ -87,7 +88,7 @@ def test_batches_sorted_by_prompt_length_keep_each_reply_with_its_conversation(t
     config = RegenerateConfig(batch_size=4, shard_size=8, max_new_tokens=2)
     regenerate(records, tokenizer, echo_length, tmp_path, config, progress=False)
     assert batches[0] == sorted(batches[0]) and max(batches[0]) <= min(batches[1])
-    for record, written in zip(records, _read(tmp_path / shard_name(0))):
+    for record, written in zip(records, _read(tmp_path / shard_name(0, 6, 8))):
         prompt = tokenizer(tokenizer.apply_chat_template(record["messages"][:1], add_generation_prompt=True))
         assert written["id"] == record["id"]
         assert written["conversations"][1]["value"] == tokenizer.decode([3 + len(prompt["input_ids"])])
@@ -102,7 +103,7 @@ def test_max_turns_keeps_the_first_exchanges_only(tmp_path):
 
     config = RegenerateConfig(batch_size=8, shard_size=8, max_new_tokens=2, max_turns=1)
     regenerate(_records(3), ToyTokenizer(), generate, tmp_path, config, progress=False)
-    rows = _read(tmp_path / shard_name(0))
+    rows = _read(tmp_path / shard_name(0, 3, 8))
     assert calls == [3]  # one round: the second turns are never generated
     assert [[m["from"] for m in r["conversations"]] for r in rows] == [["human", "gpt"]] * 3
 
@@ -205,3 +206,20 @@ def test_shards_written_in_another_dtype_are_written_again(tmp_path):
     regenerate(records, ToyTokenizer(), generate, tmp_path, small, progress=False)
     again = regenerate(records, ToyTokenizer(), generate, tmp_path, small, progress=False, dtype="bfloat16")
     assert again["written"] == [0]
+
+
+def test_a_job_asking_for_fewer_records_leaves_a_larger_jobs_complete_shard_alone(tmp_path):
+    config = RegenerateConfig(enabled=True, max_new_tokens=4, batch_size=2, shard_size=2)
+    generate = hf_generate_fn(tiny_model(), pad_id=0, eos_ids=[2])
+    tokenizer, out = ToyTokenizer(), tmp_path / "corpus"
+    assert regenerate(_records(4), tokenizer, generate, out, config, progress=False)["written"] == [0, 1]
+    complete = (out / shard_name(1)).read_bytes(), (out / (shard_name(1) + ".key")).read_bytes()
+    smaller = regenerate(_records(3), tokenizer, Counting(generate), out, config, progress=False)
+    assert smaller["written"] == [1]  # c2 alone, under its own name
+    assert ((out / shard_name(1)).read_bytes(), (out / (shard_name(1) + ".key")).read_bytes()) == complete
+    assert [r["id"] for r in _read(merge_shards(out, 3, 2))] == ["c0", "c1", "c2"]
+    assert [r["id"] for r in _read(merge_shards(out, 4, 2))] == ["c0", "c1", "c2", "c3"]
+    counting = Counting(generate)  # both jobs' shards are now there: nothing to write for either
+    assert regenerate(_records(3), tokenizer, counting, out, config, progress=False)["written"] == []
+    assert regenerate(_records(4), tokenizer, counting, out, config, progress=False)["written"] == []
+    assert counting.calls == 0

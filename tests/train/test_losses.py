@@ -88,3 +88,15 @@ def test_uniform_noise_range():
     noisy = add_uniform_noise(x, 0.2, torch.Generator().manual_seed(0))
     assert noisy.min() >= -0.1 and noisy.max() <= 0.1 and noisy.std() > 0.05
     assert add_uniform_noise(x, 0.0) is x
+
+
+def test_top1_is_argmax_first_index_on_ties_in_each_dtype():
+    from train.losses import top1
+
+    g = torch.Generator().manual_seed(0)
+    for dtype in (torch.float32, torch.bfloat16):
+        logits = torch.randn(64, 300, generator=g).to(dtype)
+        logits[:, 7] = logits[:, 200] = logits.amax(-1) + 1  # a tie at the top: the lower index wins
+        logits[:5] = torch.randn(5, 300, generator=g).to(dtype)
+        assert torch.equal(top1(logits), logits.argmax(-1))
+        assert (top1(logits)[5:] == 7).all()

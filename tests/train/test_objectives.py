@@ -36,6 +36,21 @@ def test_memoized_features_match_online_and_skip_the_target():
     assert set(tiny.rows) == {"r0"}
 
 
+def test_memoized_features_keep_a_bf16_targets_features_exactly_in_half_the_memory():
+    low = tiny_target()
+    low.model.to(torch.bfloat16)
+    online = OnlineFeatures(low, dtype=torch.float32)  # fp32 heads read widened bf16 features
+    rows = [{"id": f"r{i}", "input_ids": list(range(3, 3 + n)), "loss_mask": [1] * n} for i, n in enumerate((5, 9))]
+    wide, narrow = MemoizedFeatures(online, 1), MemoizedFeatures(online, 1, torch.bfloat16)
+    first = narrow(_batch(rows))
+    wide(_batch(rows))
+    assert first.dtype == torch.float32 and narrow.rows["r0"].dtype == torch.bfloat16
+    assert narrow.used * 2 == wide.used
+    again = narrow(_batch(rows[::-1]))  # from memory: fp32 again, bit for bit
+    assert again.dtype == torch.float32
+    assert torch.equal(again[0, :9], first[1, :9]) and torch.equal(again[1, :5], first[0, :5])
+
+
 def test_frequent_reply_tokens_counts_assistant_tokens_only_ties_by_id():
     rows = [{"input_ids": [5, 5, 7, 9, 9, 9], "loss_mask": [0, 0, 1, 1, 1, 1]},
             {"input_ids": [3, 7, 2], "loss_mask": [1, 1, 0]}]
