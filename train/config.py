@@ -34,7 +34,7 @@ class TrainerConfig:
     batch_size: int = 4  # sequences per micro-batch per process
     grad_accumulation: int = 1
     max_grad_norm: float = 0.5
-    mixed_precision: str = "auto"  # auto (bf16 on GPU, no on CPU) | no | bf16 | fp16
+    mixed_precision: str = "auto"  # auto (bf16 on GPU; on CPU as the frozen target computes) | no | bf16 | fp16
     eval_every: int = 50
     eval_batches: int = 8
     eval_at_start: bool = True  # evaluate (and checkpoint) the initialised head before step 1

@@ -33,10 +33,15 @@ class LaunchError(RuntimeError):
     """The processes that started are not the processes that were asked for."""
 
 
-def resolve_mixed_precision(trainer: TrainerConfig) -> str:
+def resolve_mixed_precision(trainer: TrainerConfig, target_dtype: torch.dtype | None = None) -> str:
+    """auto: bf16 on a GPU; on a CPU, bf16 where the frozen target computes in bf16 (the dtype rule
+    measured it faster on this CPU: its bf16 matrix units serve the head's steps as well), else no.
+    The head keeps fp32 master weights either way; only its steps' matmuls run in bf16."""
     if trainer.mixed_precision != "auto":
         return trainer.mixed_precision
-    return "bf16" if torch.cuda.is_available() else "no"
+    if torch.cuda.is_available():
+        return "bf16"
+    return "bf16" if target_dtype == torch.bfloat16 else "no"
 
 
 def deepspeed_config(trainer: TrainerConfig, deepspeed: DeepSpeedConfig, world_size: int) -> dict:
@@ -154,7 +159,7 @@ def _single_process_env() -> None:
         os.environ.setdefault(key, value)
 
 
-def make_accelerator(trainer: TrainerConfig, deepspeed: DeepSpeedConfig):
+def make_accelerator(trainer: TrainerConfig, deepspeed: DeepSpeedConfig, target_dtype: torch.dtype | None = None):
     """The Accelerator for this process: plain (one process), DDP (torchrun, gloo on CPU, NCCL on
     GPU) or DeepSpeed ZeRO; refuses a launch whose group does not match WORLD_SIZE.
 
@@ -163,8 +168,10 @@ def make_accelerator(trainer: TrainerConfig, deepspeed: DeepSpeedConfig):
     from accelerate import Accelerator
     from accelerate.utils import DeepSpeedPlugin, InitProcessGroupKwargs
 
-    precision = resolve_mixed_precision(trainer)
     on_gpu = torch.cuda.is_available()
+    # On a CPU the training loop autocasts the steps itself (train/loop.py): accelerate fixes one
+    # precision per process and wraps the head's forward in it, held-out scoring included.
+    precision = resolve_mixed_precision(trainer, target_dtype) if on_gpu else "no"
     if not deepspeed.enabled:
         accelerator = Accelerator(
             gradient_accumulation_steps=trainer.grad_accumulation, mixed_precision=precision, cpu=not on_gpu,

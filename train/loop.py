@@ -47,6 +47,7 @@ class TrainResult:
     best_checkpoint: Path | None  # a native head folder (heads.io.load_head) plus trainer state
     best_eval: dict = field(default_factory=dict)
     final_eval: dict = field(default_factory=dict)
+    mixed_precision: str = "no"  # what the head's steps computed in (fp32 master weights either way)
 
 
 def lr_factor(step: int, warmup_steps: int, total_steps: int, schedule: str) -> float:
@@ -114,11 +115,14 @@ def train_heads(job, target, data, source: FeatureSource | None = None, accelera
     Writes <trainer.output_dir>/{checkpoints/, metrics.jsonl, result.json}."""
     from accelerate.utils import gather_object, set_seed
 
-    from train.distributed import full_parameters, gather_head_state, make_accelerator, restore_head_state
+    from train.distributed import (
+        full_parameters, gather_head_state, make_accelerator, resolve_mixed_precision, restore_head_state,
+    )
 
     t, kind = job.trainer, head_kind(job.heads)
     start_time = time.time()  # trainer.max_minutes counts set-up (ridge fit) and evaluations too
-    accelerator = accelerator or make_accelerator(t, job.deepspeed)
+    accelerator = accelerator or make_accelerator(t, job.deepspeed, target.dtype)
+    precision = resolve_mixed_precision(t, target.dtype)
     rank, world, main = accelerator.process_index, accelerator.num_processes, accelerator.is_main_process
     run_dir, device = Path(t.output_dir), accelerator.device
     root = run_dir / "checkpoints"
@@ -143,6 +147,11 @@ def train_heads(job, target, data, source: FeatureSource | None = None, accelera
         eval_source = MemoizedFeatures(eval_source, t.feature_memory_mb, keep)
     head, head_config = build_head_for_job(job, target, kind, vocab)
     head.to(device)
+    if device.type == "cpu" and precision in ("bf16", "fp16"):  # fp32 master weights, bf16 matmuls
+        low = torch.bfloat16 if precision == "bf16" else torch.float16
+        steps_autocast = lambda: torch.autocast("cpu", dtype=low)  # noqa: E731
+    else:
+        steps_autocast = accelerator.autocast
     optimizer = torch.optim.AdamW(kind.param_groups(head, t.learning_rate), lr=t.learning_rate,
                                   betas=(t.adam_beta1, t.adam_beta2), weight_decay=t.weight_decay)
     warmup = int(t.warmup_ratio * t.max_steps)
@@ -266,7 +275,7 @@ def train_heads(job, target, data, source: FeatureSource | None = None, accelera
                 batch = stream.next()
                 with accelerator.accumulate(head):
                     features = source(batch)
-                    with accelerator.autocast():
+                    with steps_autocast():
                         out = kind.step(head, parts, batch, features, t.loss_chunk_size)
                     _check_finite(reduce, out["loss"].detach(), state["step"], "loss", last_saved)
                     accelerator.backward(out["loss"])
@@ -312,7 +321,8 @@ def train_heads(job, target, data, source: FeatureSource | None = None, accelera
         best = root / f"step-{best_step:08d}" if best_step is not None else None
         result = TrainResult(run_dir=run_dir, head_type=kind.name, steps=state["step"], stopped=stopped,
                              last_checkpoint=last_saved, best_checkpoint=best,
-                             best_eval=(state["best"] or {}), final_eval=state["last_eval"])
+                             best_eval=(state["best"] or {}), final_eval=state["last_eval"],
+                             mixed_precision=precision if device.type == "cpu" else str(accelerator.mixed_precision))
         if main:
             logger.summary({**result.final_eval, "best_step": best_step})
             (run_dir / "result.json").write_text(json.dumps(dataclasses.asdict(result), indent=1, default=str))

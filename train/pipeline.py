@@ -141,6 +141,7 @@ def _run_stages(job: JobConfig) -> dict:
         summary["train"] = {"steps": result.steps, "stopped": result.stopped, "best_eval": result.best_eval,
                             "hardware": hardware(), "recipe": job.recipe, "data_source": data_source,
                             "final_eval": result.final_eval, "target_dtype": summary.get("target_dtype"),
+                            "mixed_precision": result.mixed_precision,
                             "best_checkpoint": str(result.best_checkpoint or result.last_checkpoint),
                             "started_from": started_from(job.trainer.init_from)}
         checkpoint = result.best_checkpoint or result.last_checkpoint
@@ -374,6 +375,7 @@ def _training_figures(summary: dict, trained: dict | None, scored: dict | None =
             "hardware": train.get("hardware", summary.get("hardware")),  # where the head was trained
             # the frozen target's dtype for regeneration and features (frozen_target_dtype's choice)
             "target_dtype": train.get("target_dtype", summary.get("target_dtype")),
+            "mixed_precision": train.get("mixed_precision"),  # the head's steps (trainer.mixed_precision's choice)
             # a head trained on from another (trainer.init_from): steps counts this run's only
             "started_from": train.get("started_from")}
 

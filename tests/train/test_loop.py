@@ -101,8 +101,9 @@ def test_the_best_checkpoint_carries_its_own_held_out_figures(tmp_path):
     assert result.best_eval["step"] == best and result.final_eval == evals[24]
     scored = read_state(result.best_checkpoint)["eval"]
     assert scored == evals[best]
-    summary = {"train": {"final_eval": result.final_eval}}
+    summary = {"train": {"final_eval": result.final_eval, "mixed_precision": result.mixed_precision}}
     assert _training_figures(summary, None, scored)["held_out"] == evals[best]
+    assert _training_figures(summary, None, scored)["mixed_precision"] == "no"  # an fp32 target's job
     assert _training_figures(summary, None, None)["held_out"] == evals[24]
 
 
@@ -117,6 +118,40 @@ def test_a_bf16_target_trains_fp32_heads_on_the_cpu(tmp_path, kind):
     assert result.steps == 6 and all(math.isfinite(v) for v in _metrics(tmp_path).values())
     head, _, _ = load_head(result.best_checkpoint, target)
     assert all(p.dtype == torch.float32 for p in head.parameters())
+    assert result.mixed_precision == "bf16"  # auto: the steps' matmuls as the target computes
+
+
+def test_cpu_steps_autocast_as_the_target_computes_and_held_out_scores_in_fp32(tmp_path, monkeypatch):
+    """auto on a CPU: bf16 matmuls in the steps of a bf16 target's job, fp32 for an fp32 target's,
+    each job in the same process (accelerate's precision is fixed once per process); held-out
+    scoring in fp32 either way, as the CPU runtime drafts."""
+    import train.loop as loop
+
+    seen = []
+    original = loop.run_held_out
+
+    def scoring(model, *args, **kwargs):
+        seen.append(("eval", torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else None))
+        return original(model, *args, **kwargs)
+
+    monkeypatch.setattr(loop, "run_held_out", scoring)
+    for name, dtype, expected in (("low", torch.bfloat16, "bf16"), ("full", torch.float32, "no")):
+        target = tiny_target()
+        target.model.to(dtype)
+        job = tiny_job(tmp_path / name, "eagle3", max_steps=2, eval_every=2, save_every=2)
+        steps = []
+        kind_step = loop.head_kind(job.heads).__class__.step
+
+        def step(self, *args, **kwargs):
+            steps.append(torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else None)
+            return kind_step(self, *args, **kwargs)
+
+        monkeypatch.setattr(loop.head_kind(job.heads).__class__, "step", step)
+        result = train_heads(job, target, tiny_data())
+        monkeypatch.setattr(loop.head_kind(job.heads).__class__, "step", kind_step)
+        assert result.mixed_precision == expected
+        assert steps == [torch.bfloat16 if expected == "bf16" else None] * 2
+    assert seen and all(dtype is None for _, dtype in seen)
 
 
 def test_resume_after_a_crash_reproduces_the_losses(tmp_path):
