@@ -8,7 +8,10 @@ Variants run interleaved round by round (target, eagle, medusa, target, ...) so 
 load drifts over all of them alike; the ratio training / target-forward is the heads' overhead.
 `--bf16` adds the target's forward and an EAGLE step with the frozen target in bf16 (the feature
 pass the dtype rule picks on a CPU with bf16 instructions; the head keeps fp32 weights), so the
-feature pass's speed in each dtype compares within one run.
+feature pass's speed in each dtype compares within one run. `--head-bf16` adds EAGLE-3 training
+steps on features computed once (by the bf16 target, as memoised after a first epoch) with the
+head's matmuls in fp32 and under bf16 autocast (fp32 master weights; `trainer.mixed_precision`'s
+choice on a CPU whose target computes in bf16), the step cost once the feature pass is paid.
 Not a timed test: absolute numbers depend on the machine and its load.
 """
 from __future__ import annotations
@@ -62,6 +65,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--chunk-size", type=int, default=1024)
     parser.add_argument("--bf16", action="store_true", help="add the bf16 feature pass (forward and EAGLE step)")
+    parser.add_argument("--head-bf16", action="store_true",
+                        help="add EAGLE-3 steps on precomputed features, fp32 and bf16-autocast matmuls")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -84,6 +89,28 @@ def main() -> None:
         bf16_eagle = init_eagle(build_head(EagleConfig.from_target(target)), target)
         variants.update({"target forward bf16": None, "eagle step bf16": (bf16_eagle, eagle_step, EagleOptions())})
         sources.update({"target forward bf16": bf16_source, "eagle step bf16": bf16_source})
+    autocast = dict.fromkeys(variants, False)
+    if args.head_bf16:
+        import copy
+
+        from heads.config import Eagle3Options
+        from train.kinds import Eagle3Kind
+        from train.objectives import frequent_reply_tokens
+
+        kind = Eagle3Kind(Eagle3Options(aux_layer_ids=[0, 1, 1] if args.tiny else None))  # the tiny target: 2 layers
+        low = copy.deepcopy(target)
+        low.model.to(torch.bfloat16)
+        online = OnlineFeatures(low, kind.feature_layers(target.num_layers), dtype=torch.float32)
+        computed = {id(batch): online(batch) for batch in batches}  # paid once, as after a first epoch
+        vocab = frequent_reply_tokens([{"input_ids": b["input_ids"][i].tolist(), "loss_mask": b["loss_mask"][i].tolist()}
+                                       for b in batches for i in range(b["input_ids"].shape[0])], 8192, target.vocab_size)
+        eagle3_step = lambda head, parts_, batch, features, options, chunk: kind.step(  # noqa: E731
+            head, parts_, batch, features, chunk)
+        for name, low_matmuls in (("eagle3 step", False), ("eagle3 step bf16 autocast", True)):
+            torch.manual_seed(0)
+            variants[name] = (kind.build(target, vocab)[0], eagle3_step, None)
+            sources[name] = lambda batch: computed[id(batch)]
+            autocast[name] = low_matmuls
     optimizers = {name: torch.optim.AdamW(v[0].parameters(), lr=1e-4) for name, v in variants.items() if v}
     clock = device_clock(target.device)  # CUDA: synchronised readings
     seconds = dict.fromkeys(variants, 0.0)
@@ -95,7 +122,9 @@ def main() -> None:
                 features = sources[name](batch)
                 if variant is not None:
                     head, step, options = variant
-                    step(head, parts, batch, features, options, args.chunk_size)["loss"].backward()
+                    with torch.autocast(target.device.type, dtype=torch.bfloat16, enabled=autocast[name]):
+                        loss = step(head, parts, batch, features, options, args.chunk_size)["loss"]
+                    loss.backward()
                     optimizers[name].step()
                     optimizers[name].zero_grad(set_to_none=True)
                 if round_index:
