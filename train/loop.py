@@ -7,7 +7,6 @@ main process logs them, and only the main process writes files.
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import logging
@@ -122,9 +121,10 @@ def train_heads(job, target, data, source: FeatureSource | None = None, accelera
     t, kind = job.trainer, head_kind(job.heads)
     start_time = time.time()  # trainer.max_minutes counts set-up (ridge fit) and evaluations too
     accelerator = accelerator or make_accelerator(t, job.deepspeed, target.dtype)
-    precision = resolve_mixed_precision(t, target.dtype)
     rank, world, main = accelerator.process_index, accelerator.num_processes, accelerator.is_main_process
     run_dir, device = Path(t.output_dir), accelerator.device
+    # the steps' precision: on a CPU this loop autocasts them (make_accelerator), elsewhere accelerate
+    precision = resolve_mixed_precision(t, target.dtype) if device.type == "cpu" else str(accelerator.mixed_precision)
     root = run_dir / "checkpoints"
     set_seed(t.seed + rank)
 
@@ -217,10 +217,7 @@ def train_heads(job, target, data, source: FeatureSource | None = None, accelera
 
     def score_held_out() -> dict:
         model = accelerator.unwrap_model(head).eval()
-        # A CPU runtime drafts with fp32 heads (runtime.head_dtype), so held-out figures are scored
-        # in fp32 there whatever precision the steps trained in, and compare across precisions.
-        scoring = accelerator.autocast() if device.type != "cpu" else contextlib.nullcontext()
-        with scoring:
+        with accelerator.autocast():  # a no-op on a CPU: held-out figures in fp32, as the CPU runtime drafts
             metrics = run_held_out(model, kind, parts, eval_source, held_out, reduce, eval_cache)
         head.train()
         return metrics
@@ -322,7 +319,7 @@ def train_heads(job, target, data, source: FeatureSource | None = None, accelera
         result = TrainResult(run_dir=run_dir, head_type=kind.name, steps=state["step"], stopped=stopped,
                              last_checkpoint=last_saved, best_checkpoint=best,
                              best_eval=(state["best"] or {}), final_eval=state["last_eval"],
-                             mixed_precision=precision if device.type == "cpu" else str(accelerator.mixed_precision))
+                             mixed_precision=precision)
         if main:
             logger.summary({**result.final_eval, "best_step": best_step})
             (run_dir / "result.json").write_text(json.dumps(dataclasses.asdict(result), indent=1, default=str))

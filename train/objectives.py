@@ -73,7 +73,7 @@ class MemoizedFeatures:
         if all(i in self.rows for i in ids):
             first = self.rows[ids[0]]
             out = first.new_zeros(len(ids), batch["input_ids"].shape[1], first.shape[-1],
-                                  dtype=self.dtype or first.dtype)  # (B, T, D)
+                                  dtype=self.dtype)  # (B, T, D)
             for b, (i, n) in enumerate(zip(ids, lengths)):
                 out[b, :n] = self.rows[i]
             return out
