@@ -10,12 +10,15 @@ which kind it holds. A kind says
   head), which decoder layers of the target that build reads (`init_layers`, for a target loaded
   in parts), and its optimizer groups;
 - an optional set-up on training data before the first step (`prepare`: EAGLE's ridge fit of fc);
+- optionally, how a head of another kind becomes its start (`adopt`, for trainer.init_from:
+  P-EAGLE from an EAGLE-3 head);
 - one training step's loss and the figures it logs (`step`, `figures`);
 - held-out counts per drafted step or head (`eval_rows`, `eval_counts`), named by `unit`.
 A new kind is a class with these members, registered in KINDS.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Iterable, Protocol
 
@@ -26,7 +29,7 @@ from heads.config import Eagle3Options, EagleOptions, HeadsConfig, MedusaOptions
 from heads.eagle import EagleConfig, init_from_target as init_eagle, set_fc_by_ridge
 from heads.eagle3 import Eagle3Config, default_aux_layer_ids, init_from_target as init_eagle3
 from heads.eagle3 import set_fc_by_ridge as set_eagle3_fc_by_ridge
-from heads.io import build_head
+from heads.io import build_head, head_type
 from heads.medusa import MedusaConfig, init_from_target as init_medusa
 from heads.peagle import PeagleConfig
 from heads.vocab import set_draft_vocab
@@ -272,6 +275,26 @@ class PeagleKind(Eagle3Kind):
                                           norm_before_residual=o.norm_before_residual,
                                           mask_token_id=o.mask_token_id, speculative_tokens=o.speculative_tokens)
         return init_eagle3(build_head(config), target, vocab), config
+
+    def adopt(self, head, config):
+        """An EAGLE-3 head as the start (trainer.init_from): slot 0 is EAGLE-3's step 0, so every
+        weight, norm and the draft vocabulary carry over as they are and slot 0 drafts as the
+        EAGLE-3 head's first step did; mask_hidden starts as a fresh head's. K and mask_token_id
+        come from heads.peagle. Returns (head, config); None for a head of another kind."""
+        if head_type(config) != "eagle3":
+            return None
+        if config.norm_output:
+            raise ValueError("trainer.init_from: an EAGLE-3 head with norm_output cannot start a P-EAGLE head "
+                             "(its drafter feeds the mask slots' hidden input as it is)")
+        o = self.options
+        adopted = PeagleConfig(**dataclasses.asdict(config), mask_token_id=o.mask_token_id,
+                               speculative_tokens=o.speculative_tokens)
+        new = build_head(adopted)
+        missing, unexpected = new.load_state_dict(head.state_dict(), strict=False)
+        if unexpected or set(missing) != {"mask_hidden"}:
+            raise RuntimeError(f"P-EAGLE from an EAGLE-3 head: weights missing {sorted(set(missing) - {'mask_hidden'})}, "
+                               f"unexpected {sorted(unexpected)}")
+        return new, adopted
 
     def step(self, head, parts, batch, features, chunk_size):
         return peagle_step(head, parts, batch, features, self.options, chunk_size)

@@ -86,7 +86,8 @@ def lr_factor_by_budget(fraction: float, warmup_ratio: float, max_steps: int, sc
 
 def build_head_for_job(job, target, kind: HeadKind | None = None, vocab: torch.Tensor | None = None):
     """(head, head config): from trainer.init_from (a checkpoint or any export folder, read by
-    `export.load_export` in float32), else fresh: the head kind's build, initialised from the
+    `export.load_export` in float32; a head of another kind where the job's kind can `adopt` it),
+    else fresh: the head kind's build, initialised from the
     target, around the draft vocabulary `vocab` (sorted ids; None: the full vocabulary). A loaded
     head keeps its own vocabulary; one without gets `vocab`."""
     kind, source = kind or head_kind(job.heads), job.trainer.init_from
@@ -95,7 +96,15 @@ def build_head_for_job(job, target, kind: HeadKind | None = None, vocab: torch.T
 
         head, config, _ = load_export(source, target, dtype="float32")
         if head_type(config) != kind.name:
-            raise ValueError(f"trainer.init_from={source} holds a {type(config).__name__}, but heads.type={kind.name}")
+            adopted = kind.adopt(head, config) if hasattr(kind, "adopt") else None
+            if adopted is None:
+                raise ValueError(f"trainer.init_from={source} holds a {type(config).__name__}, but heads.type={kind.name}")
+            log.info("trainer.init_from: a %s head starts the %s head", head_type(config), kind.name)
+            head, config = adopted
+        wanted = kind.aux_layer_ids(target.num_layers) if hasattr(kind, "aux_layer_ids") else None
+        if wanted is not None and list(config.aux_layer_ids) != list(wanted):  # the features would not match it
+            raise ValueError(f"trainer.init_from={source} reads target layers {list(config.aux_layer_ids)}, but the job "
+                             f"feeds {list(wanted)}: set heads.{kind.name}.aux_layer_ids={list(config.aux_layer_ids)}")
         own = draft_ids(head)
         if own is None and vocab is not None:
             set_draft_vocab(head, vocab)

@@ -187,3 +187,49 @@ def test_the_dry_run_plans_a_big_peagle_job():
     assert plan.cache_layers == 4 and plan.cache_bytes > 0
     assert any(item.name == "block attention" for item in plan.training)
     assert "feature cache on disk" in format_plan(plan)
+
+
+def test_an_eagle3_head_starts_a_peagle_head_and_other_starts_are_refused(tmp_path):
+    from heads.eagle3 import Eagle3Head
+    from heads.io import load_head
+    from train.loop import build_head_for_job, train_heads
+    from tests.train.loop_fixtures import tiny_data, tiny_job
+
+    target, data = tiny_target(), tiny_data()
+    job = tiny_job(tmp_path / "eagle3", "eagle3", max_steps=2)
+    job.heads.eagle3.norm_before_fc = True
+    job.heads.draft_vocab_size = 64
+    source = train_heads(job, target, data).last_checkpoint
+    eagle3, _, _ = load_head(source, target)
+
+    def peagle_job(name, **trainer):
+        job = tiny_job(tmp_path / name, "peagle", **trainer)
+        job.heads.peagle.aux_layer_ids, job.heads.peagle.speculative_tokens = [0, 1, 1], 3
+        return job
+
+    head, config = build_head_for_job(peagle_job("p", init_from=str(source)), target)
+    assert isinstance(head, PeagleHead) and not isinstance(eagle3, PeagleHead)
+    assert config.norm_before_fc and config.speculative_tokens == 3 and config.draft_vocab_size == 64
+    theirs = eagle3.state_dict()
+    ours = {k: v for k, v in head.state_dict().items() if k != "mask_hidden"}
+    assert ours.keys() == theirs.keys() and all(torch.equal(v, theirs[k]) for k, v in ours.items())
+    # slot 0 is EAGLE-3's first drafted step: the same logits on the same committed rows
+    torch.manual_seed(1)
+    embeds = torch.randn(1, 5, config.hidden_size)
+    aux = torch.randn(1, 5, 3 * config.target_hidden_size)
+    positions = torch.arange(5)[None]
+    with torch.no_grad():
+        mine = head.logits(head(embeds, head.project(aux), positions)[0])
+        reference = eagle3.logits(eagle3(embeds, eagle3.project(aux), positions)[0])
+    assert isinstance(eagle3, Eagle3Head) and torch.equal(mine, reference)
+    # the loop trains it on, from the adopted weights
+    result = train_heads(peagle_job("p_trained", init_from=str(source), max_steps=1), target, data)
+    assert result.head_type == "peagle"
+
+    wrong = peagle_job("wrong_layers", init_from=str(source))
+    wrong.heads.peagle.aux_layer_ids = [0, 1]
+    with pytest.raises(ValueError, match=r"reads target layers \[0, 1, 1\].*aux_layer_ids=\[0, 1, 1\]"):
+        build_head_for_job(wrong, target)
+    medusa = train_heads(tiny_job(tmp_path / "medusa", "medusa", max_steps=1), target, data).last_checkpoint
+    with pytest.raises(ValueError, match="holds a MedusaConfig, but heads.type=peagle"):
+        build_head_for_job(peagle_job("from_medusa", init_from=str(medusa)), target)
