@@ -32,10 +32,10 @@ RELEASES = {
     # python -m train +recipe=eagle_smollm2_135m_corpus data.max_records=4096 trainer.init_from=<that head>
     #   trainer.seed=1 trainer.schedule_clock=minutes trainer.max_minutes=55 trainer.max_steps=4000
     "eagle_smollm2_135m": ("release_heldout.jsonl", ["data.max_records=4096"]),
-    # 55 minutes on the corpus's first 3,072 conversations, then 70 more from that checkpoint (docs/results.md):
-    # python -m train +recipe=eagle3_smollm2_135m_corpus data.max_records=3072 trainer.init_from=<step 761>
-    #   trainer.seed=1 trainer.schedule_clock=minutes trainer.max_minutes=70 trainer.max_steps=3000
-    "eagle3_smollm2_135m": ("release_heldout_eagle3.jsonl", ["data.max_records=3072"]),
+    # 60 minutes on the whole corpus from the ridge-fitted fc, with EAGLE-3.1's norm before fc (docs/results.md):
+    # python -m train +recipe=eagle3_smollm2_135m_corpus data.max_records=4096 heads.eagle3.norm_before_fc=true
+    #   trainer.schedule_clock=minutes trainer.max_minutes=60 trainer.max_steps=100000
+    "eagle3_smollm2_135m": ("release_heldout_eagle3.jsonl", ["data.max_records=4096"]),
 }
 
 
