@@ -205,4 +205,5 @@ def pipeline_job(model_dir, tmp_path, run: str, steps: int, *extra: str, records
         "data.regenerate.enabled=false",  # the default job's self-distillation: on where a test asks
         f"data.cache_dir={tmp_path / 'cache'}", f"trainer.output_dir={tmp_path / run}",
         f"trainer.max_steps={steps}", f"trainer.eval_every={steps}", f"trainer.save_every={steps}",
-        "trainer.eval_batches=1", "trainer.max_minutes=null", "logger=none", *extra])
+        "trainer.eval_batches=1", "trainer.max_minutes=null", "trainer.schedule_clock=steps", "logger=none",
+        *extra])

@@ -61,7 +61,8 @@ class TrainerConfig:
         choice(f"{key}.schedule", self.schedule, SCHEDULES)
         choice(f"{key}.schedule_clock", self.schedule_clock, SCHEDULE_CLOCKS)
         if self.schedule_clock == "minutes" and self.max_minutes is None:
-            raise ValueError(f"{key}.schedule_clock=minutes lays the schedule over {key}.max_minutes, which is not set")
+            raise ValueError(f"{key}.schedule_clock=minutes lays the schedule over {key}.max_minutes, which is not set: "
+                             f"set {key}.max_minutes, or {key}.schedule_clock=steps to lay it over {key}.max_steps")
         choice(f"{key}.mixed_precision", self.mixed_precision, MIXED_PRECISION)
 
 
