@@ -64,9 +64,9 @@ def overrides(recipe: str, run_dir: Path, steps: int) -> list[str]:
     """The recipe's own settings, made short and step-based over the slice."""
     return [f"+recipe={recipe}", f"data.source={SLICE}", "data.format=jsonl", "data.regenerate.enabled=false",
             "data.max_records=null", f"data.cache_dir={run_dir / 'data_cache'}", f"trainer.output_dir={run_dir}",
-            f"trainer.max_steps={steps}", "trainer.max_minutes=null", "trainer.schedule_clock=steps", f"trainer.eval_every={steps}",
-            f"trainer.save_every={steps}", "trainer.eval_at_start=false", "trainer.log_every=1",
-            "trainer.resume=never", "trainer.num_threads=null", "logger=none", "stages=[data,train]"]
+            f"trainer.max_steps={steps}", "trainer.max_minutes=null", "trainer.schedule_clock=steps",
+            f"trainer.eval_every={steps}", f"trainer.save_every={steps}", "trainer.eval_at_start=false",
+            "trainer.log_every=1", "trainer.resume=never", "trainer.num_threads=null", "logger=none", "stages=[data,train]"]
 
 
 def run_recipe(recipe: str, target, run_dir: Path, steps: int | None = None) -> dict:

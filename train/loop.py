@@ -102,9 +102,10 @@ def build_head_for_job(job, target, kind: HeadKind | None = None, vocab: torch.T
             log.info("trainer.init_from: a %s head starts the %s head", head_type(config), kind.name)
             head, config = adopted
         wanted = kind.aux_layer_ids(target.num_layers) if hasattr(kind, "aux_layer_ids") else None
-        if wanted is not None and list(config.aux_layer_ids) != list(wanted):  # the features would not match it
-            raise ValueError(f"trainer.init_from={source} reads target layers {list(config.aux_layer_ids)}, but the job "
-                             f"feeds {list(wanted)}: set heads.{kind.name}.aux_layer_ids={list(config.aux_layer_ids)}")
+        if wanted is not None and list(config.aux_layer_ids) != wanted:  # the features would not match it
+            ids = list(config.aux_layer_ids)
+            raise ValueError(f"trainer.init_from={source} reads target layers {ids}, but the job feeds {wanted}: "
+                             f"set heads.{kind.name}.aux_layer_ids={ids}")
         own = draft_ids(head)
         if own is None and vocab is not None:
             set_draft_vocab(head, vocab)
