@@ -131,6 +131,10 @@ class PeagleOptions:
     ridge_tokens: int = 20000
     ridge_penalty: float = 1e-3
     fc_learning_rate_scale: float = 1.0  # fc trains at this fraction of trainer.learning_rate
+    # Every weight but mask_hidden (the EAGLE-3 head's own) trains at this fraction of
+    # trainer.learning_rate, fc at this times fc_learning_rate_scale: below 1 when trainer.init_from
+    # starts the head from a trained EAGLE-3 head, whose slot 0 the mask slots' updates would wear down
+    eagle3_learning_rate_scale: float = 1.0
 
     def check(self, key: str = "heads.peagle") -> None:
         for name in ("speculative_tokens", "max_anchors", "eval_anchors", "ridge_tokens"):
@@ -138,6 +142,7 @@ class PeagleOptions:
         positive(f"{key}.mask_token_id", self.mask_token_id, allow_zero=True)
         positive(f"{key}.ridge_penalty", self.ridge_penalty, allow_zero=True)
         positive(f"{key}.fc_learning_rate_scale", self.fc_learning_rate_scale, allow_zero=True)
+        positive(f"{key}.eagle3_learning_rate_scale", self.eagle3_learning_rate_scale, allow_zero=True)
         fraction(f"{key}.down_sample_ratio", self.down_sample_ratio)
         fraction(f"{key}.down_sample_ratio_min", self.down_sample_ratio_min)
         choice(f"{key}.init_fc", self.init_fc, EAGLE3_INIT_FC)

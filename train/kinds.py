@@ -296,6 +296,18 @@ class PeagleKind(Eagle3Kind):
                                f"unexpected {sorted(unexpected)}")
         return new, adopted
 
+    def param_groups(self, head, learning_rate):
+        """EAGLE-3's groups at eagle3_learning_rate_scale of the rate, mask_hidden at the full rate."""
+        o = self.options
+        shared = [(name, p) for name, p in head.named_parameters() if name != "mask_hidden"]
+        mask = [p for name, p in head.named_parameters() if name == "mask_hidden"]
+        groups = [{"params": [p for name, p in shared if name.startswith("fc.")],
+                   "lr": learning_rate * o.eagle3_learning_rate_scale * o.fc_learning_rate_scale},
+                  {"params": [p for name, p in shared if not name.startswith("fc.")],
+                   "lr": learning_rate * o.eagle3_learning_rate_scale},
+                  {"params": mask, "lr": learning_rate}]
+        return [group for group in groups if group["params"]]
+
     def step(self, head, parts, batch, features, chunk_size):
         return peagle_step(head, parts, batch, features, self.options, chunk_size)
 

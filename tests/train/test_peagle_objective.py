@@ -144,6 +144,11 @@ def test_kind_builds_trains_and_warm_starts(target):
     assert isinstance(head, PeagleHead) and config.speculative_tokens == K and config.norm_before_residual
     groups = kind.param_groups(head, 1e-3)
     assert groups[0]["lr"] == pytest.approx(1e-4) and len(groups[0]["params"]) == 1
+    heads.peagle.eagle3_learning_rate_scale = 0.5
+    fc, shared, mask = head_kind(heads).param_groups(head, 1e-3)
+    assert (fc["lr"], shared["lr"], mask["lr"]) == pytest.approx((5e-5, 5e-4, 1e-3))
+    assert mask["params"] == [head.mask_hidden]
+    assert sum(len(g["params"]) for g in (fc, shared, mask)) == len(list(head.parameters()))
     parts, batch = FrozenParts.from_target(target), _batch()
     source = OnlineFeatures(target, kind.feature_layers(4))
     kind.prepare(head, parts, source, [batch], 1, lambda x: x)
@@ -222,9 +227,21 @@ def test_an_eagle3_head_starts_a_peagle_head_and_other_starts_are_refused(tmp_pa
         mine = head.logits(head(embeds, head.project(aux), positions)[0])
         reference = eagle3.logits(eagle3(embeds, eagle3.project(aux), positions)[0])
     assert isinstance(eagle3, Eagle3Head) and torch.equal(mine, reference)
-    # the loop trains it on, from the adopted weights
-    result = train_heads(peagle_job("p_trained", init_from=str(source), max_steps=1), target, data)
-    assert result.head_type == "peagle"
+    # the loop trains it on, from the adopted weights; eagle3_learning_rate_scale holds them (0: frozen)
+    # while mask_hidden trains at the full rate
+    def trained(name, scale):
+        job = peagle_job(name, init_from=str(source), max_steps=2, save_every=2)
+        job.heads.peagle.eagle3_learning_rate_scale = scale
+        result = train_heads(job, target, data)
+        assert result.head_type == "peagle"
+        return load_head(result.last_checkpoint, target)[0].state_dict()
+
+    def moved(state):
+        return {k for k, v in state.items() if k in theirs and not torch.equal(v, theirs[k])}
+
+    held, free = trained("p_held", 0.0), trained("p_free", 1.0)
+    assert moved(held) == set() and not torch.equal(held["mask_hidden"], head.state_dict()["mask_hidden"])
+    assert {"fc.weight", "midlayer.self_attn.q_proj.weight"} <= moved(free)
 
     wrong = peagle_job("wrong_layers", init_from=str(source))
     wrong.heads.peagle.aux_layer_ids = [0, 1]
