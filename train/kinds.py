@@ -88,14 +88,16 @@ class HeadKind(Protocol):
         keeps the target's greedy tokens between evaluations of the same batch."""
 
 
-def fc_param_groups(head, learning_rate: float, scale: float) -> list[dict]:
-    """One group, or with scale != 1 two: fc at the scaled rate (a ridge-fitted fc is a solution
-    Adam's first, sign-like steps would scramble) and the rest."""
+def fc_param_groups(head, learning_rate: float, scale: float, leave_out: tuple[str, ...] = ()) -> list[dict]:
+    """One group at `learning_rate`, or with scale != 1 two: fc at the scaled rate (a ridge-fitted
+    fc is a solution Adam's first, sign-like steps would scramble) and the rest. Parameters named
+    in `leave_out` are in neither (the caller groups them)."""
+    named = [(name, p) for name, p in head.named_parameters() if name not in leave_out]
     if scale == 1.0:
-        return [{"params": list(head.parameters())}]
-    fc = [p for name, p in head.named_parameters() if name.startswith("fc.")]
-    rest = [p for name, p in head.named_parameters() if not name.startswith("fc.")]
-    return [{"params": fc, "lr": learning_rate * scale}, {"params": rest}]
+        return [{"params": [p for _, p in named], "lr": learning_rate}]
+    fc = [p for name, p in named if name.startswith("fc.")]
+    rest = [p for name, p in named if not name.startswith("fc.")]
+    return [{"params": fc, "lr": learning_rate * scale}, {"params": rest, "lr": learning_rate}]
 
 
 class EagleKind:
@@ -299,14 +301,9 @@ class PeagleKind(Eagle3Kind):
     def param_groups(self, head, learning_rate):
         """EAGLE-3's groups at eagle3_learning_rate_scale of the rate, mask_hidden at the full rate."""
         o = self.options
-        shared = [(name, p) for name, p in head.named_parameters() if name != "mask_hidden"]
-        mask = [p for name, p in head.named_parameters() if name == "mask_hidden"]
-        groups = [{"params": [p for name, p in shared if name.startswith("fc.")],
-                   "lr": learning_rate * o.eagle3_learning_rate_scale * o.fc_learning_rate_scale},
-                  {"params": [p for name, p in shared if not name.startswith("fc.")],
-                   "lr": learning_rate * o.eagle3_learning_rate_scale},
-                  {"params": mask, "lr": learning_rate}]
-        return [group for group in groups if group["params"]]
+        eagle3 = fc_param_groups(head, learning_rate * o.eagle3_learning_rate_scale, o.fc_learning_rate_scale,
+                                 leave_out=("mask_hidden",))
+        return eagle3 + [{"params": [head.mask_hidden], "lr": learning_rate}]
 
     def step(self, head, parts, batch, features, chunk_size):
         return peagle_step(head, parts, batch, features, self.options, chunk_size)
