@@ -5,9 +5,12 @@ import random
 import pytest
 import torch
 
-# One test runs at a time: its torch ops take both cores of a CI machine (the tests that start
-# several processes give each one thread). SPECHEADS_TEST_THREADS overrides.
-torch.set_num_threads(int(os.environ.get("SPECHEADS_TEST_THREADS", str(min(2, os.cpu_count() or 1)))))
+# Under pytest-xdist (the default run: pyproject's addopts) each worker's torch ops get their share
+# of the cores; a run without workers gives one test both cores of a CI machine (the tests that
+# start several processes give each one thread). SPECHEADS_TEST_THREADS overrides.
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+torch.set_num_threads(int(os.environ.get("SPECHEADS_TEST_THREADS",
+                                         str(max(1, min(2, os.cpu_count() or 1) // _WORKERS)))))
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("WANDB_SILENT", "true")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -48,3 +51,13 @@ def tiny_chat_model(tmp_path_factory):
         {"from": "gpt", "value": " ".join(str(j) for j in range(i, i + 12))}]} for i in range(24)]
     (folder / "data.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
     return folder
+
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked `long` (tens of seconds: the real target's recipes, engine processes) run first,
+    in collection order, and the rest after them: with pyproject's two xdist workers both start on
+    the long ones and share the many short ones at the end, instead of one finishing a long test
+    alone. A module whose tests share a module-scoped fixture is marked long as a whole, and kept
+    on one worker by its `xdist_group`."""
+    items.sort(key=lambda item: item.get_closest_marker("long") is None)

@@ -116,11 +116,12 @@ def evaluate_release(target, name: str, cache_dir: Path | None = None, features_
     """(held-out figures of release head `name` on its held-out file, the figures its manifest records).
     cache_dir: where the conversations' Arrow copy goes (default: the specheads cache).
     features_target: the target whose forward gives the features, read as fp32 (default: `target`
-    in the dtype the head's training used, its manifest's training.target_dtype; a bf16 copy to see
-    what bf16 features change)."""
+    in the dtype the head's training used, its manifest's training.target_dtype, where this CPU has
+    bf16 instructions, else fp32; a bf16 copy to see what bf16 features change)."""
     from data.pipeline import tokenize_conversations
     from data.sources import load_conversations
     from export.validate import load_export
+    from heads.dtypes import bf16_flags
     from train.data_order import eval_batches
     from train.heldout import run_held_out
     from train.kinds import head_kind
@@ -134,7 +135,10 @@ def evaluate_release(target, name: str, cache_dir: Path | None = None, features_
     if skipped:
         raise ValueError(f"{path}: rows skipped while tokenizing: {skipped}")
     head, _, manifest = load_export(release_dir(name), target, dtype="float32")
-    if features_target is None and (manifest["training"].get("target_dtype") or {}).get("dtype") == "bfloat16":
+    if features_target is None and (manifest["training"].get("target_dtype") or {}).get("dtype") == "bfloat16" \
+            and bf16_flags():
+        # Elsewhere fp32: bf16 matmuls without bf16 instructions are emulated, several times slower,
+        # and fp32 features move these heads' held-out top-1 by at most 0.0019 (`dtypes`).
         features_target = _bf16_copy(target)
     kind = head_kind(job.heads)
     pad = target.config.pad_token_id if target.config.pad_token_id is not None else 0

@@ -89,6 +89,16 @@ def _kept(truths: list | None, index: int, compute):
     return value
 
 
+def eagle_greedy_grid(parts: FrozenParts, features: torch.Tensor, base_mask: torch.Tensor,
+                      truths: list | None = None) -> torch.Tensor:
+    """(B, n) long: at t, argmax lm_head(f_{t+1}) where base_mask(t), else 0. Step j scores chain t
+    against argmax lm_head(f_{t+1+j}) where base_mask(t+j), i.e. this grid shifted left by j, so
+    one projection through the lm_head serves every step (`truths` keeps it, as in eagle_eval_counts)."""
+    grid = torch.zeros(base_mask.shape, dtype=torch.long, device=base_mask.device)
+    grid[base_mask] = _kept(truths, 0, lambda: _greedy(features[:, 1:][base_mask], parts.lm_head_weight))
+    return grid
+
+
 @torch.no_grad()
 def eagle_eval_counts(head: nn.Module, parts: FrozenParts, batch: dict, features: torch.Tensor,
                       steps: int, truths: list | None = None) -> torch.Tensor:
@@ -97,10 +107,10 @@ def eagle_eval_counts(head: nn.Module, parts: FrozenParts, batch: dict, features
     ids = batch["input_ids"]  # (B, T)
     counts = torch.zeros(steps, 3, device=ids.device)
     base_mask = eagle_position_mask(batch["loss_mask"], batch["attention_mask"])  # (B, n)
+    greedy = eagle_greedy_grid(parts, features, base_mask, truths)
     for j, predicted in enumerate(eagle_unroll(head, parts, ids, features, steps)):
         valid = shift_left(base_mask, j)  # chain t at step j predicts the token after position t+1+j
-        truth = _kept(truths, j, lambda: _greedy(shift_left(features[:, 1:], j)[valid], parts.lm_head_weight))
-        _count(counts, j, F.linear(predicted[valid], parts.lm_head_weight), truth)
+        _count(counts, j, F.linear(predicted[valid], parts.lm_head_weight), shift_left(greedy, j)[valid])
     return counts
 
 

@@ -1,10 +1,13 @@
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from heads.eagle import EagleConfig, EagleHead
 from heads.medusa import MedusaConfig, MedusaHeads
-from train.heldout import acceptance_estimate, eagle_eval_counts, eagle_unroll, medusa_eval_counts, held_out_figures
+from train.heldout import (acceptance_estimate, eagle_eval_counts, eagle_greedy_grid, eagle_unroll, held_out_figures,
+                           medusa_eval_counts)
+from train.losses import eagle_position_mask, shift_left
 from train.objectives import FrozenParts, OnlineFeatures
 from tests.tiny import tiny_target
 
@@ -95,9 +98,24 @@ def test_cached_truths_give_the_same_counts(target):
     head = EagleHead(EagleConfig.from_target(target)).eval()
     truths: list = []
     first = eagle_eval_counts(head, parts, batch, features, 3, truths)
-    assert len(truths) == 3
+    assert len(truths) == 1  # the target's greedy tokens at step 0's positions serve every step
     torch.testing.assert_close(eagle_eval_counts(head, parts, batch, features, 3, truths), first)
     torch.testing.assert_close(eagle_eval_counts(head, parts, batch, features, 3), first)
+
+
+def test_eagle_counts_score_each_step_against_the_target_token_it_drafts(target):
+    """Step j's truth is argmax lm_head(f_{t+1+j}) wherever chain t counts at step j, as a projection
+    of that step's own features gives it."""
+    batch = _batch()
+    features = OnlineFeatures(target)(batch)
+    parts = FrozenParts.from_target(target)
+    base = eagle_position_mask(batch["loss_mask"], batch["attention_mask"])
+    grid = eagle_greedy_grid(parts, features, base)
+    for j in range(4):
+        valid = shift_left(base, j)
+        assert valid.any()
+        own = F.linear(shift_left(features[:, 1:], j)[valid], parts.lm_head_weight).argmax(-1)
+        assert torch.equal(shift_left(grid, j)[valid], own), j
 
 
 def test_held_out_chains_draft_what_the_runtime_chain_drafts():
