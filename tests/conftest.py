@@ -54,10 +54,21 @@ def tiny_chat_model(tmp_path_factory):
 
 
 
+
+
+def _seconds(item) -> float:
+    mark = item.get_closest_marker("long")
+    return 0.0 if mark is None else float(mark.args[0] if mark.args else 30)
+
+
 def pytest_collection_modifyitems(config, items):
-    """Tests marked `long` (tens of seconds: the real target's recipes, engine processes) run first,
-    in collection order, and the rest after them: with pyproject's two xdist workers both start on
-    the long ones and share the many short ones at the end, instead of one finishing a long test
-    alone. A module whose tests share a module-scoped fixture is marked long as a whole, and kept
-    on one worker by its `xdist_group`."""
-    items.sort(key=lambda item: item.get_closest_marker("long") is None)
+    """Modules by the seconds their `long` tests take (the mark's argument: the real target's
+    recipes, engine and worker processes, on a 2-core CPU), most first, each kept whole and in
+    order: with pyproject's two xdist workers and `--dist loadfile` (a module's fixtures set up
+    once) both workers start on the long modules and share the many short ones at the end, instead
+    of one finishing a long module alone."""
+    seconds, first = {}, {}
+    for index, item in enumerate(items):
+        seconds[item.path] = seconds.get(item.path, 0.0) + _seconds(item)
+        first.setdefault(item.path, index)
+    items.sort(key=lambda item: (-seconds[item.path], first[item.path]))

@@ -82,7 +82,7 @@ def _assert_agrees(head_report: dict) -> None:
         assert not broken["agreement"]["within_tolerance"], (name, broken)
 
 
-@pytest.mark.long
+@pytest.mark.long(130)
 @pytest.mark.integration
 def test_vllm_accepts_what_our_runtime_accepts(tmp_path, smollm2):
     eagle_vllm = _eagle_vllm(smollm2, tmp_path)

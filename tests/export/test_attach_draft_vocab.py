@@ -27,7 +27,7 @@ def _without_vocab(target, out: Path) -> Path:
                        {"training": manifest["training"], "eval": manifest["eval"]})
 
 
-@pytest.mark.long
+@pytest.mark.long(15)
 @pytest.mark.integration
 def test_a_head_without_a_vocabulary_gets_its_jobs_vocabulary(tmp_path, smollm2):
     from data.pipeline import prepare_data

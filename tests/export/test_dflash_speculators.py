@@ -28,7 +28,7 @@ def _head(target, draft_vocab: torch.Tensor | None = None):
     return head.eval(), config
 
 
-@pytest.mark.long
+@pytest.mark.long(10)
 @pytest.mark.integration
 @pytest.mark.parametrize("vocab", [None, 8192], ids=["target-vocabulary", "draft-vocabulary"])
 def test_speculators_loads_our_dflash_export_and_matches_our_logits(tmp_path, smollm2, vocab):

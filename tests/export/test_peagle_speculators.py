@@ -51,7 +51,7 @@ def _our_rows(head, target, embedding):
             "logits": logits.contiguous()}
 
 
-@pytest.mark.long
+@pytest.mark.long(10)
 @pytest.mark.integration
 def test_speculators_loads_our_peagle_export_and_matches_our_logits(tmp_path, smollm2):
     from safetensors.torch import load_file, save_file

@@ -16,7 +16,7 @@ def _clean(audit: dict) -> bool:
     return not any(audit[key] for key in ("unexpected_keys", "missing_keys", "changed_keys", "nan_keys"))
 
 
-@pytest.mark.long
+@pytest.mark.long(35)
 @pytest.mark.integration
 def test_speculators_loads_our_exports_and_matches_our_logits(tmp_path, smollm2):
     report = driver().compare(smollm2, tmp_path, steps=3, dtype="bfloat16", with_renamed_key=True,

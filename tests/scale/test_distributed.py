@@ -19,8 +19,8 @@ from train.distributed import LaunchError, accelerate_num_processes, check_world
 
 WORKER = str(Path(__file__).with_name("worker.py"))
 ROOT = str(Path(__file__).resolve().parents[2])
-# One launch of worker processes (the module fixture) serves every test here: one xdist worker.
-pytestmark = [pytest.mark.long, pytest.mark.xdist_group("distributed")]
+# One launch of worker processes (the module fixture, ~25 s) serves every test here.
+pytestmark = pytest.mark.long(2)
 RTOL = 1e-5
 
 

@@ -14,8 +14,8 @@ import train.loop
 
 WORKER = str(Path(__file__).with_name("loop_worker.py"))
 ROOT = str(Path(__file__).resolve().parents[2])
-# One launch of worker processes (the module fixture) serves every test here: one xdist worker.
-pytestmark = [pytest.mark.long, pytest.mark.xdist_group("loop_distributed")]
+# One launch of worker processes (the module fixture, ~25 s) serves every test here.
+pytestmark = pytest.mark.long(5)
 RTOL = 1e-5
 # DeepSpeed through the loop and resuming across process counts need the loop to save world-size
 # independent state (train.distributed.gather_head_state / restore_head_state), a tensor grad norm,

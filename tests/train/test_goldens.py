@@ -57,7 +57,7 @@ def test_differences_flag_what_leaves_the_tolerance():
     assert differences(golden, _curve(train_records=15))[0].startswith("train_records")
 
 
-@pytest.mark.long
+@pytest.mark.long(45)
 @pytest.mark.integration
 @pytest.mark.parametrize("recipe", sorted(RECIPES))
 def test_recipe_follows_its_golden_curve(recipe, smollm2, tmp_path):
@@ -79,7 +79,7 @@ def test_recipe_follows_its_golden_curve(recipe, smollm2, tmp_path):
 RELEASE_TOP1_ATOL = 0.005
 
 
-@pytest.mark.long
+@pytest.mark.long(35)
 @pytest.mark.integration
 @pytest.mark.parametrize("name", sorted(RELEASES))
 def test_release_head_manifest_matches_a_re_evaluation(name, smollm2, tmp_path):
