@@ -29,6 +29,11 @@ class RegenerateConfig:
     # prompts, which cost most of the generation time for few new tokens
     max_turns: int | None = None
     output_dir: str | None = None  # default: <run_dir>/regenerated
+    # A folder of shards made earlier (the corpus shipped in data/corpora/, or another machine's
+    # output_dir), each `<shard>.jsonl` or `<shard>.jsonl.gz` beside its `.key`: a shard this job
+    # lacks is copied from there when its key is this job's, instead of being generated. A relative
+    # path that does not exist from the working directory is read from the repository root.
+    reuse_from: str | None = None
 
 
 @dataclass

@@ -13,17 +13,21 @@ first missing shard; rank r of W writes shards r, r+W, ...; `merge_shards` conca
 settings); a shard whose key does not match the current job (other settings, another target), or
 that has no key, is written again instead of being reused. A job's last shard that holds fewer
 records than a whole shard is named for its count (`regenerated-00001-first128.jsonl`): a job asking
-for fewer records reads or writes that file, never the complete shard a larger job made.
+for fewer records reads or writes that file, never the complete shard a larger job made. Shards
+made elsewhere (`data.regenerate.reuse_from`, e.g. the corpus shipped in data/corpora/) are copied
+in where their keys are this job's.
 
 The generator is a callable so the caller can pass the fast runtime (eval.runtime.generate) without data/
 importing eval/; `hf_generate_fn` wraps transformers' `generate`.
 """
 from __future__ import annotations
 
+import gzip
 import hashlib
 import json
 import logging
 import os
+import shutil
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -173,6 +177,36 @@ def _shard_done(output_dir: Path, name: str, key: str) -> bool:
     return False
 
 
+def _reuse_folder(location: str) -> Path:
+    path = Path(location).expanduser()
+    if not path.is_absolute() and not path.exists():
+        path = Path(__file__).resolve().parent.parent / path
+    if not path.is_dir():
+        raise FileNotFoundError(f"data.regenerate.reuse_from: {location} is not a folder")
+    return path
+
+
+def _reuse_shard(source: Path, output_dir: Path, name: str, key: str) -> bool:
+    """Copy shard `name` from `source` (plain or gzipped) into output_dir when source's key for it
+    is `key`; whether it did. The key is written first and each file under a temporary name, as
+    regenerate writes its own shards."""
+    key_file = source / f"{name}.key"
+    plain, packed = source / name, source / f"{name}.gz"
+    if not key_file.is_file() or not (plain.is_file() or packed.is_file()):
+        return False
+    if key_file.read_text(encoding="utf-8").strip() != key:
+        log.info("regenerate: %s was made by another target, dtype or settings than this job's; not reused", key_file)
+        return False
+    tmp = output_dir / f".{name}.tmp-{os.getpid()}"
+    with (gzip.open(packed, "rb") if packed.is_file() else open(plain, "rb")) as read, open(tmp, "wb") as write:
+        shutil.copyfileobj(read, write)
+    key_tmp = output_dir / f".{name}.key.tmp-{os.getpid()}"
+    key_tmp.write_text(key + "\n", encoding="utf-8")
+    os.replace(key_tmp, output_dir / f"{name}.key")
+    os.replace(tmp, output_dir / name)
+    return True
+
+
 def regenerate(records: Sequence[dict], tokenizer, generate_fn: GenerateFn, output_dir: str | os.PathLike,
                config: RegenerateConfig, max_prompt_tokens: int = 2048, rank: int = 0, world_size: int = 1,
                seed: int = 0, progress: bool = True, target_identity: dict | None = None,
@@ -181,7 +215,8 @@ def regenerate(records: Sequence[dict], tokenizer, generate_fn: GenerateFn, outp
     "content"}]}`) into this rank's missing shards of `output_dir`. A conversation stops before a
     turn whose prompt plus max_new_tokens exceeds max_prompt_tokens (dropped if no reply is left).
     Sampling is seeded per shard, so a resumed run writes what an uninterrupted one would; shards
-    written by another target (`target_identity`) or other settings are written again.
+    written by another target (`target_identity`) or other settings are written again; with
+    config.reuse_from, a missing shard whose key that folder holds is copied from there.
     Returns {"written": [...], "skipped": [...]}; call `merge_shards` after every rank is done."""
     from tqdm.auto import tqdm
 
@@ -193,6 +228,12 @@ def regenerate(records: Sequence[dict], tokenizer, generate_fn: GenerateFn, outp
             for s in shards}
     names = shard_names(len(records), size)
     missing = [s for s in shards if not _shard_done(output_dir, names[s], keys[s])]
+    if config.reuse_from and missing:
+        source = _reuse_folder(config.reuse_from)
+        reused = [s for s in missing if _reuse_shard(source, output_dir, names[s], keys[s])]
+        if reused:
+            log.info("regenerate: %d shard(s) copied from %s", len(reused), source)
+        missing = [s for s in missing if s not in reused]
     turns = {s: sum(m["role"] == "assistant" for r in records[s * size:(s + 1) * size]
                     for m in r["messages"][:_turn_limit(r["messages"], config.max_turns)]) for s in missing}
     log.info("regenerate: %d of %d shard(s) to write on rank %d (%d assistant turns), temperature %g, "

@@ -25,6 +25,22 @@ def target_identity(target) -> dict:
     return {"fingerprint": target.fingerprint()["id"], "tokenizer": tokenizer}
 
 
+def shard_keys(job, target, dtype: str) -> dict[str, str]:
+    """The key of every shard job's regenerate stage writes, by shard file name, for the target's
+    replies computed in `dtype` (what a shipped corpus must hold to be reused by the job)."""
+    from data.regenerate import shard_key, shard_names
+    from data.sources import load_conversations
+
+    config = job.data.regenerate
+    conversations, _ = load_conversations(job.data)
+    limit = job.data.max_records or len(conversations)
+    records = [conversations[i] for i in range(min(limit, len(conversations)))]
+    size = config.shard_size
+    return {name: shard_key(records[s * size:(s + 1) * size], config, job.data.max_length, job.trainer.seed,
+                            target_identity(target), dtype)
+            for s, name in enumerate(shard_names(len(records), size))}
+
+
 def regenerate_data(job, target, generate_fn=None) -> Path:
     """Self-distillation stage: regenerate the assistant turns of `data.source` with the target into
     data.regenerate.output_dir (default <run_dir>/regenerated); returns regenerated.jsonl, for

@@ -1,4 +1,5 @@
 """Self-distillation: turn-by-turn regeneration with a tiny model, shards, resume after a crash."""
+import dataclasses
 import json
 
 import pytest
@@ -223,3 +224,47 @@ def test_a_job_asking_for_fewer_records_leaves_a_larger_jobs_complete_shard_alon
     assert regenerate(_records(3), tokenizer, counting, out, config, progress=False)["written"] == []
     assert regenerate(_records(4), tokenizer, counting, out, config, progress=False)["written"] == []
     assert counting.calls == 0
+
+
+def _pack(folder, into):
+    """A shipped copy of `folder`'s shards: each gzipped beside its key."""
+    import gzip
+    import shutil
+
+    into.mkdir()
+    for shard in folder.glob("regenerated-*.jsonl"):
+        with open(shard, "rb") as read, gzip.open(into / f"{shard.name}.gz", "wb") as write:
+            shutil.copyfileobj(read, write)
+        shutil.copy(f"{shard}.key", into / f"{shard.name}.key")
+    return into
+
+
+def test_shards_made_elsewhere_are_copied_in_where_their_keys_match(tmp_path):
+    config = RegenerateConfig(enabled=True, max_new_tokens=4, batch_size=2, shard_size=2)
+    generate = hf_generate_fn(tiny_model(), pad_id=0, eos_ids=[2])
+    records, tokenizer = _records(4), ToyTokenizer()
+    regenerate(records, tokenizer, generate, tmp_path / "made", config, progress=False)
+    shipped = _pack(tmp_path / "made", tmp_path / "shipped")
+    reference = _read(merge_shards(tmp_path / "made", 4, 2))
+
+    reusing = dataclasses.replace(config, reuse_from=str(shipped))
+    never = Counting(generate, fail_after=0)  # any generation raises
+    done = regenerate(records, tokenizer, never, tmp_path / "job", reusing, progress=False)
+    assert done == {"written": [], "skipped": [0, 1]}
+    assert _read(merge_shards(tmp_path / "job", 4, 2)) == reference
+    assert (tmp_path / "job" / f"{shard_name(0)}.key").read_text() == (shipped / f"{shard_name(0)}.key").read_text()
+
+    # Another dtype (or target, or settings): the shipped shards are not this job's, so it generates.
+    counting = Counting(generate)
+    other = regenerate(records, tokenizer, counting, tmp_path / "bf16", reusing, dtype="bfloat16", progress=False)
+    assert other["written"] == [0, 1] and counting.calls == 4  # two turns a shard
+    # More records than were shipped: the shipped shards are copied, only the rest generated.
+    counting = Counting(generate)
+    more = regenerate(_records(6), tokenizer, counting, tmp_path / "more", reusing, progress=False)
+    assert more == {"written": [2], "skipped": [0, 1]} and counting.calls == 2
+
+
+def test_a_reuse_folder_that_is_not_there_is_an_error(tmp_path):
+    config = RegenerateConfig(enabled=True, max_new_tokens=4, shard_size=2, reuse_from=str(tmp_path / "nowhere"))
+    with pytest.raises(FileNotFoundError, match="reuse_from: .*nowhere is not a folder"):
+        regenerate(_records(2), ToyTokenizer(), lambda *a: [], tmp_path / "job", config, progress=False)
