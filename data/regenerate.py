@@ -188,8 +188,7 @@ def _reuse_folder(location: str) -> Path:
 
 def _reuse_shard(source: Path, output_dir: Path, name: str, key: str) -> bool:
     """Copy shard `name` from `source` (plain or gzipped) into output_dir when source's key for it
-    is `key`; whether it did. The key is written first and each file under a temporary name, as
-    regenerate writes its own shards."""
+    is `key`; whether it did."""
     key_file = source / f"{name}.key"
     plain, packed = source / name, source / f"{name}.gz"
     if not key_file.is_file() or not (plain.is_file() or packed.is_file()):
@@ -197,14 +196,21 @@ def _reuse_shard(source: Path, output_dir: Path, name: str, key: str) -> bool:
     if key_file.read_text(encoding="utf-8").strip() != key:
         log.info("regenerate: %s was made by another target, dtype or settings than this job's; not reused", key_file)
         return False
+    with gzip.open(packed, "rb") if packed.is_file() else open(plain, "rb") as read:
+        _install_shard(output_dir, name, key, lambda write: shutil.copyfileobj(read, write))
+    return True
+
+
+def _install_shard(output_dir: Path, name: str, key: str, fill: Callable) -> None:
+    """Write shard `name` (fill(binary handle) writes its bytes) and its key, each under a
+    temporary name and renamed, the key first: a shard is never on disk beside a stale key."""
     tmp = output_dir / f".{name}.tmp-{os.getpid()}"
-    with (gzip.open(packed, "rb") if packed.is_file() else open(plain, "rb")) as read, open(tmp, "wb") as write:
-        shutil.copyfileobj(read, write)
+    with open(tmp, "wb") as handle:
+        fill(handle)
     key_tmp = output_dir / f".{name}.key.tmp-{os.getpid()}"
     key_tmp.write_text(key + "\n", encoding="utf-8")
     os.replace(key_tmp, output_dir / f"{name}.key")
     os.replace(tmp, output_dir / name)
-    return True
 
 
 def regenerate(records: Sequence[dict], tokenizer, generate_fn: GenerateFn, output_dir: str | os.PathLike,
@@ -252,13 +258,8 @@ def regenerate(records: Sequence[dict], tokenizer, generate_fn: GenerateFn, outp
                 log.info("regenerate: shard %d keeps %d of %d conversations; the others have no reply left "
                          "(a first prompt longer than %d - %d new tokens, or a template mismatch)",
                          s, len(rows), len(shard), max_prompt_tokens, config.max_new_tokens)
-            lines = [json.dumps(r, ensure_ascii=False) for r in rows]
-            tmp = output_dir / f".{names[s]}.tmp-{os.getpid()}"
-            tmp.write_text("".join(line + "\n" for line in lines), encoding="utf-8")
-            key_tmp = output_dir / f".{names[s]}.key.tmp-{os.getpid()}"
-            key_tmp.write_text(keys[s] + "\n", encoding="utf-8")
-            os.replace(key_tmp, output_dir / f"{names[s]}.key")  # key first: a shard is never
-            os.replace(tmp, output_dir / names[s])  # on disk beside a stale key
+            text = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows)
+            _install_shard(output_dir, names[s], keys[s], lambda handle: handle.write(text.encode("utf-8")))
             written.append(s)
     finally:
         bar.close()

@@ -25,16 +25,22 @@ def target_identity(target) -> dict:
     return {"fingerprint": target.fingerprint()["id"], "tokenizer": tokenizer}
 
 
+def job_records(job) -> list[dict]:
+    """The records the job's regenerate stage rewrites: the first data.max_records of data.source."""
+    from data.sources import load_conversations
+
+    conversations, _ = load_conversations(job.data)
+    limit = job.data.max_records or len(conversations)
+    return [conversations[i] for i in range(min(limit, len(conversations)))]
+
+
 def shard_keys(job, target, dtype: str) -> dict[str, str]:
     """The key of every shard job's regenerate stage writes, by shard file name, for the target's
     replies computed in `dtype` (what a shipped corpus must hold to be reused by the job)."""
     from data.regenerate import shard_key, shard_names
-    from data.sources import load_conversations
 
     config = job.data.regenerate
-    conversations, _ = load_conversations(job.data)
-    limit = job.data.max_records or len(conversations)
-    records = [conversations[i] for i in range(min(limit, len(conversations)))]
+    records = job_records(job)
     size = config.shard_size
     return {name: shard_key(records[s * size:(s + 1) * size], config, job.data.max_length, job.trainer.seed,
                             target_identity(target), dtype)
@@ -46,13 +52,10 @@ def regenerate_data(job, target, generate_fn=None) -> Path:
     data.regenerate.output_dir (default <run_dir>/regenerated); returns regenerated.jsonl, for
     `data.source`. Resumes at the first missing shard."""
     from data.regenerate import hf_generate_fn, merge_shards, regenerate, shard_names
-    from data.sources import load_conversations
 
     config = job.data.regenerate
     directory = Path(config.output_dir or Path(job.trainer.output_dir) / "regenerated")
-    conversations, _ = load_conversations(job.data)
-    limit = job.data.max_records or len(conversations)
-    records = [conversations[i] for i in range(min(limit, len(conversations)))]
+    records = job_records(job)
     if generate_fn is None:
         pad = target.config.pad_token_id if target.config.pad_token_id is not None else 0
         generate_fn = hf_generate_fn(target.model, pad, eos_ids(target))
