@@ -4,6 +4,7 @@
     python scripts/pack_corpus.py                       # the EAGLE-3 corpus recipe, its shards so far
     python scripts/pack_corpus.py --dtype bfloat16 --recipe eagle3_smollm2_135m_corpus \\
         --into data/corpora/sharegpt_first_exchange
+    python scripts/pack_corpus.py --records 8192        # a corpus larger than the recipe asks for
 
 Each complete shard of the recipe's output folder whose key is the one the recipe computes for the
 embedded target in --dtype is gzipped (no timestamp, so the same shard packs to the same bytes)
@@ -29,6 +30,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--recipe", default="eagle3_smollm2_135m_corpus")
     parser.add_argument("--dtype", default="bfloat16", help="what the target computed the replies in")
+    parser.add_argument("--records", type=int, default=None,
+                        help="the records the corpus covers (default: the recipe's data.max_records); a job asking "
+                             "for fewer copies the shards it needs")
     parser.add_argument("--into", default=str(ROOT / "data" / "corpora" / "sharegpt_first_exchange"))
     args = parser.parse_args()
 
@@ -38,7 +42,8 @@ def main() -> None:
     from train.__main__ import compose_job
     from train.selfdistill import shard_keys, target_identity
 
-    job = compose_job([f"+recipe={args.recipe}"])
+    overrides = [f"+recipe={args.recipe}"] + ([f"data.max_records={args.records}"] if args.records else [])
+    job = compose_job(overrides)
     source, into = Path(job.data.regenerate.output_dir), Path(args.into)
     target = load_target(TargetConfig(device="cpu"))
     keys = shard_keys(job, target, args.dtype)

@@ -19,6 +19,16 @@ Acceptance estimate for a chain of depth d from per-step top-1 accuracies a_0..a
     tau(d) = 1 + sum_{k=1..d} prod_{j<k} a_j
 (one token from the target's own verification step, plus each drafted token that survives; step
 j's accuracy stands in for its acceptance given the previous steps were accepted).
+
+That estimate weighs every position alike; a decoding run does not. Greedy chain decoding moves
+through an easy stretch in few steps and through a hard one a token a step, so the share of steps
+whose first draft is accepted runs below the per-position top-1 (about 0.08 lower for the SmolLM2
+release heads in vLLM). `chain_walk` replays greedy chain decoding on the held-out replies
+instead: the replies are the target's own greedy output (self-distillation), so the chain at t is
+the one the runtime drafts there, and a step that accepts k drafts moves on to t + k + 1, as
+verification commits them and the target's own token. Its per-position acceptance and mean
+length (`eval/chain_accept_step<j>`, `eval/chain_acceptance_length`) are what an engine's chain of
+the same depth reports on such replies.
 """
 from __future__ import annotations
 
@@ -39,6 +49,43 @@ def acceptance_estimate(accuracies: list[float], depth: int | None = None) -> fl
         survive *= a
         tau += survive
     return tau
+
+
+def walk_row(hits: torch.Tensor, counted: torch.Tensor) -> list[int]:
+    """Drafts accepted at each step of greedy chain decoding over one row: hits (K, n) bool, chain
+    t's step j top-1 is the target's token (False where step j does not count); counted (n,) bool,
+    chain t predicts an assistant token. In each run of counted chains the first is skipped (it
+    predicts the reply's first token, which the target's prefill gives), and a step at t accepts
+    the leading hits of hits[:, t] and moves to t + accepted + 1."""
+    hits, counted = hits.cpu().tolist(), counted.cpu().tolist()
+    depth, n = len(hits), len(counted)
+    accepted, t = [], 0
+    while t < n:
+        if not counted[t] or t == 0 or not counted[t - 1]:
+            t += 1
+            continue
+        k = 0
+        while k < depth and t + k < n and counted[t + k] and hits[k][t]:
+            k += 1
+        accepted.append(k)
+        t += k + 1
+    return accepted
+
+
+def chain_walk(hits: torch.Tensor, counted: torch.Tensor, walks: list | None = None) -> torch.Tensor:
+    """hits (K, B, n) bool, counted (B, n) bool -> (K, 2) float: walk_row over every row, column 0
+    the steps that accepted step j's draft, column 1 the steps (the same in every row). `walks`
+    collects each row's accepted counts per step."""
+    depth = hits.shape[0]
+    counts = torch.zeros(depth, 2)
+    for b in range(counted.shape[0]):
+        accepted = walk_row(hits[:, b], counted[b])
+        if walks is not None:
+            walks.append(accepted)
+        for k in accepted:
+            counts[:k, 0] += 1
+            counts[:, 1] += 1
+    return counts
 
 
 def _topk_hits(logits: torch.Tensor, truth: torch.Tensor, k: int = 5) -> tuple[torch.Tensor, torch.Tensor]:
@@ -101,25 +148,30 @@ def eagle_greedy_grid(parts: FrozenParts, features: torch.Tensor, base_mask: tor
 
 @torch.no_grad()
 def eagle_eval_counts(head: nn.Module, parts: FrozenParts, batch: dict, features: torch.Tensor,
-                      steps: int, truths: list | None = None) -> torch.Tensor:
-    """(steps, 3) float counts of [top-1 hits, top-5 hits, positions] for one batch. `truths`: a
-    list kept by the caller between evaluations of the same batch (the target's greedy tokens)."""
+                      steps: int, truths: list | None = None, walks: list | None = None) -> torch.Tensor:
+    """(steps, 5) float counts of [top-1 hits, top-5 hits, positions] and chain_walk's two columns
+    for one batch. `truths`: a list kept by the caller between evaluations of the same batch (the
+    target's greedy tokens); `walks`: as for chain_walk."""
     ids = batch["input_ids"]  # (B, T)
     counts = torch.zeros(steps, 3, device=ids.device)
     base_mask = eagle_position_mask(batch["loss_mask"], batch["attention_mask"])  # (B, n)
     greedy = eagle_greedy_grid(parts, features, base_mask, truths)
+    hits = torch.zeros((steps,) + base_mask.shape, dtype=torch.bool, device=ids.device)
     for j, predicted in enumerate(eagle_unroll(head, parts, ids, features, steps)):
         valid = shift_left(base_mask, j)  # chain t at step j predicts the token after position t+1+j
-        _count(counts, j, F.linear(predicted[valid], parts.lm_head_weight), shift_left(greedy, j)[valid])
-    return counts
+        logits, truth = F.linear(predicted[valid], parts.lm_head_weight), shift_left(greedy, j)[valid]
+        _count(counts, j, logits, truth)
+        hits[j][valid] = top1(logits) == truth
+    return torch.cat([counts, chain_walk(hits, base_mask, walks).to(counts)], 1)
 
 
 @torch.no_grad()
 def eagle3_eval_counts(head: nn.Module, parts: FrozenParts, batch: dict, features: torch.Tensor,
                        steps: int, truths: list | None = None) -> torch.Tensor:
-    """(steps, 3) float counts of [top-1 hits, top-5 hits, positions] for one batch; features
-    (B, T, (n+1)·Ht) as train/eagle3_objective.feature_layers orders them (`truths`: as for EAGLE;
-    it keeps one tensor, the target's greedy tokens at every counted position)."""
+    """(steps, 5) float counts of [top-1 hits, top-5 hits, positions] and chain_walk's columns for
+    one batch; features (B, T, (n+1)·Ht) as train/eagle3_objective.feature_layers orders them
+    (`truths`: as for EAGLE; it keeps one tensor, the target's greedy tokens at every counted
+    position)."""
     module = getattr(head, "module", head)
     ids = batch["input_ids"]  # (B, T)
     counts = torch.zeros(steps, 3, device=ids.device)
@@ -127,13 +179,16 @@ def eagle3_eval_counts(head: nn.Module, parts: FrozenParts, batch: dict, feature
     base_mask = eagle_position_mask(batch["loss_mask"], batch["attention_mask"])  # (B, n)
     greedy = _kept(truths, 0, lambda: _greedy(final[:, 1:][base_mask], parts.lm_head_weight))  # (N,) argmax at f_{t+1}
     row_of = row_index(base_mask)  # (B, n)
+    hits = torch.zeros((steps,) + base_mask.shape, dtype=torch.bool, device=ids.device)
+    rows = torch.arange(ids.shape[0], device=ids.device)[:, None]
     for j, chains, out, valid in ttt_unroll(head, parts, ids, module.project(aux[:, :-1]), steps, base_mask):
         truth = greedy[shift_left(row_of, j).gather(1, chains)[valid]]  # argmax at f_{t+1+j}
         logits = module.logits(out[valid])  # (N_j, Vd)
         top = module.to_target_ids(logits.topk(min(5, logits.shape[-1]), dim=-1).indices)  # (N_j, 5) target ids
         counts[j] += torch.stack([(top[:, 0] == truth).sum(), (top == truth[:, None]).any(-1).sum(),
                                   torch.tensor(truth.shape[0], device=ids.device)]).to(counts)
-    return counts
+        hits[j][rows.expand_as(chains)[valid], chains[valid]] = top[:, 0] == truth
+    return torch.cat([counts, chain_walk(hits, base_mask).to(counts)], 1)
 
 
 def _ahead(features: torch.Tensor, k: int) -> torch.Tensor:
@@ -147,22 +202,28 @@ def _ahead(features: torch.Tensor, k: int) -> torch.Tensor:
 @torch.no_grad()
 def medusa_eval_counts(heads: nn.Module, parts: FrozenParts, batch: dict, features: torch.Tensor,
                        truths: list | None = None) -> torch.Tensor:
-    """(K, 3) float counts of [top-1 hits, top-5 hits, positions] for one batch (`truths`: as for EAGLE)."""
+    """(K, 5) float counts of [top-1 hits, top-5 hits, positions] and chain_walk's columns (the
+    chain of each head's top-1) for one batch (`truths`: as for EAGLE)."""
     module = getattr(heads, "module", heads)
     hidden = heads(features)  # (K, B, T, D)
     K = hidden.shape[0]
     counts = torch.zeros(K, 3, device=features.device)
+    hits = torch.zeros((K,) + batch["loss_mask"].shape, dtype=torch.bool, device=features.device)
     for k in range(K):
         valid = medusa_position_mask(batch["loss_mask"], k, batch["attention_mask"])  # (B, T)
         truth = _kept(truths, k, lambda: _greedy(_ahead(features, k + 1)[valid], parts.lm_head_weight))
-        weight = module.lm_head_weight(k, parts.lm_head_weight)
-        _count(counts, k, F.linear(hidden[k][valid], weight), truth)
-    return counts
+        logits = F.linear(hidden[k][valid], module.lm_head_weight(k, parts.lm_head_weight))
+        _count(counts, k, logits, truth)
+        hits[k][valid] = top1(logits) == truth
+    counted = medusa_position_mask(batch["loss_mask"], 0, batch["attention_mask"])  # head k at t: x_{t+2+k}
+    return torch.cat([counts, chain_walk(hits, counted).to(counts)], 1)
 
 
 def held_out_figures(counts: torch.Tensor, unit: str) -> dict[str, float]:
-    """(S, 3) summed counts -> {eval/top1_<unit><i>, eval/top5_<unit><i>, eval/positions,
-    eval/acceptance_length}; unit: "step" (drafted chain depth) or "head" (Medusa head)."""
+    """(S, 3) or (S, 5) summed counts -> {eval/top1_<unit><i>, eval/top5_<unit><i>, eval/positions,
+    eval/acceptance_length}; unit: "step" (drafted chain depth) or "head" (Medusa head). Columns 3-4,
+    where a kind counts them (chain_walk), add eval/chain_accept_<unit><i>, eval/chain_steps and
+    eval/chain_acceptance_length."""
     top1 = (counts[:, 0] / counts[:, 2].clamp(min=1)).tolist()
     top5 = (counts[:, 1] / counts[:, 2].clamp(min=1)).tolist()
     metrics = {"eval/positions": float(counts[0, 2])}
@@ -170,22 +231,28 @@ def held_out_figures(counts: torch.Tensor, unit: str) -> dict[str, float]:
         metrics[f"eval/top1_{unit}{i}"] = a1
         metrics[f"eval/top5_{unit}{i}"] = a5
     metrics["eval/acceptance_length"] = acceptance_estimate(top1)
+    if counts.shape[1] >= 5 and counts[0, 4] > 0:
+        walked = (counts[:, 3] / counts[0, 4]).tolist()
+        for i, a in enumerate(walked):
+            metrics[f"eval/chain_accept_{unit}{i}"] = a
+        metrics["eval/chain_steps"] = float(counts[0, 4])
+        metrics["eval/chain_acceptance_length"] = 1.0 + sum(walked)
     return metrics
 
 
 @torch.no_grad()
 def run_held_out(head: nn.Module, kind, parts: FrozenParts, source, batches, reduce=None,
              cache: dict | None = None) -> dict[str, float]:
-    """Sum the head kind's counts (`kind.eval_counts`, (kind.eval_rows, 3)) over `batches` (this
+    """Sum the head kind's counts (`kind.eval_counts`, (kind.eval_rows, 3 or 5)) over `batches` (this
     process's share, maybe empty), `reduce(counts)` sums them across processes (None: one
     process), and held_out_figures. `cache`: a dict kept between evaluations of the same batches (the
     target's greedy tokens per batch)."""
-    counts = torch.zeros(kind.eval_rows, 3, device=parts.lm_head_weight.device)
+    counts = torch.zeros(kind.eval_rows, 5, device=parts.lm_head_weight.device)
     for index, batch in enumerate(batches):
         features = source(batch)
         truths = cache.setdefault(index, []) if cache is not None else None
-        c = kind.eval_counts(head, parts, batch, features, truths)
-        counts[: c.shape[0]] += c
+        c = kind.eval_counts(head, parts, batch, features, truths)  # (rows, 3), or (rows, 5) with the walk
+        counts[: c.shape[0], : c.shape[1]] += c
     if reduce is not None:
         counts = reduce(counts)
     return held_out_figures(counts.cpu(), kind.unit)

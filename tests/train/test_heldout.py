@@ -5,8 +5,8 @@ from torch import nn
 
 from heads.eagle import EagleConfig, EagleHead
 from heads.medusa import MedusaConfig, MedusaHeads
-from train.heldout import (acceptance_estimate, eagle_eval_counts, eagle_greedy_grid, eagle_unroll, held_out_figures,
-                           medusa_eval_counts)
+from train.heldout import (acceptance_estimate, chain_walk, eagle_eval_counts, eagle_greedy_grid, eagle_unroll,
+                           held_out_figures, medusa_eval_counts, walk_row)
 from train.losses import eagle_position_mask, shift_left
 from train.objectives import FrozenParts, OnlineFeatures
 from tests.tiny import tiny_target
@@ -59,6 +59,55 @@ def test_eagle_counts_with_perfect_and_wrong_heads(target):
     assert counts[:, 2].tolist() == [18.0, 18.0, 16.0]
     wrong = held_out_figures(eagle_eval_counts(OracleHead(features, -1.0), parts, batch, features, 3), "step")
     assert wrong["eval/top1_step0"] == 0.0 and wrong["eval/acceptance_length"] == 1.0
+    # The walk: chains 1..9 count; chain 1 predicts the reply's first token (the prefill's), so the
+    # perfect head's steps sit at t = 2 and 6 (3 drafts each), the wrong head's at every t in 2..9.
+    assert metrics["eval/chain_steps"] == 4.0 and metrics["eval/chain_acceptance_length"] == 4.0
+    assert wrong["eval/chain_steps"] == 16.0 and wrong["eval/chain_acceptance_length"] == 1.0
+
+
+def test_walk_row_by_hand():
+    counted = torch.tensor([0, 1, 1, 1, 1, 1, 1, 0, 1, 1, 1, 1], dtype=torch.bool)
+    hits = torch.zeros(3, 12, dtype=torch.bool)
+    hits[0, 1] = True  # chain 1 predicts the reply's first token (the prefill's): never drafted
+    hits[0, 2] = hits[1, 2] = True  # t=2 accepts 2 (its third draft misses) -> t=5
+    hits[0, 5] = hits[1, 5] = hits[2, 5] = True  # t=5: the third draft lies past the run -> 2, t=8
+    hits[0, 9] = True  # t=8 opens the next run: skipped; t=9 accepts 1 -> t=11, a miss
+    assert walk_row(hits, counted) == [2, 2, 1, 0]
+    assert walk_row(hits[:1], counted) == [1, 0, 1, 1, 0]
+    counts = chain_walk(torch.stack([hits, hits], 1), torch.stack([counted, counted]))
+    assert counts.tolist() == [[6.0, 8.0], [4.0, 8.0], [0.0, 8.0]]
+
+
+def test_the_walk_is_the_runtime_chains_acceptance(target):
+    """Replayed on the target's own greedy reply, the walk accepts at every step what the runtime's
+    greedy chain of the same depth accepts there (every step whose drafts lie inside the reply)."""
+    from eval.runtime.drafters.eagle import EagleDrafter
+    from eval.runtime.generate import speculative_generate
+    from eval.runtime.model import LeanLlama
+    from heads.eagle import init_from_target
+
+    torch.manual_seed(0)
+    lean = LeanLlama.from_hf(target.model, max_seq_len=128)
+    head = init_from_target(EagleHead(EagleConfig.from_target(target)), target, layer=-1, fc="feature").eval()
+    depth, total = 3, 0
+    for seed in range(4):
+        prompt = torch.randint(3, 128, (6,), generator=torch.Generator().manual_seed(seed))
+        result = speculative_generate(lean, EagleDrafter(head, lean, mode="chain", depth=depth), prompt, 40)
+        ids = torch.cat([prompt, torch.tensor(result.tokens)])[None]
+        loss_mask = torch.zeros_like(ids)
+        loss_mask[:, prompt.shape[0]:] = 1
+        batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "loss_mask": loss_mask}
+        walks: list = []
+        eagle_eval_counts(head, FrozenParts.from_target(target), batch, OnlineFeatures(target)(batch), depth,
+                          walks=walks)
+        committed, inside = 1, 0  # the prefill's token; steps whose depth drafts all lie in the reply
+        for accepted in result.accepted:
+            if committed + depth > len(result.tokens):
+                break
+            committed, inside = committed + accepted + 1, inside + 1
+        assert walks[0][:inside] == result.accepted[:inside], seed
+        total += sum(result.accepted[:inside])
+    assert total > 0  # some drafts were accepted, so the comparison saw more than misses
 
 
 def test_unroll_matches_sequential_decoding(target):
@@ -86,7 +135,7 @@ def test_medusa_counts_shapes(target):
     features = OnlineFeatures(target)(batch)
     heads = MedusaHeads(MedusaConfig.from_target(target, num_heads=3))
     counts = medusa_eval_counts(heads, FrozenParts.from_target(target), batch, features)
-    assert counts.shape == (3, 3)
+    assert counts.shape == (3, 5)
     assert counts[:, 2].tolist() == [18.0, 18.0, 16.0]
     assert (counts[:, 0] <= counts[:, 1]).all()
 
