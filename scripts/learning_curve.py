@@ -1,5 +1,6 @@
 """Learning curve of a training run from its metrics.jsonl: held-out top-1 per EAGLE step (or per
-Medusa head) and the acceptance-length estimate against wall minutes and tokens seen.
+Medusa head) and the acceptance-length estimate against wall minutes and tokens seen, with the
+chain walk's first-position acceptance and mean length where the run logs them (train/heldout.py).
 
     python scripts/learning_curve.py runs/eagle_smollm2_135m [runs/eagle_smollm2_135m_long ...]
     python scripts/learning_curve.py RUN --markdown      # a table for the README
@@ -31,16 +32,22 @@ def curve(run_dir: Path) -> list[dict]:
         start = line["time"] if start is None else start
         minutes = line.get("eval/wall_minutes", (line["time"] - start) / 60)
         top1 = [line[k] for k in sorted(line) if k.startswith("eval/top1_")]
+        walk = [line.get(k) for k in ("eval/chain_accept_step0", "eval/chain_accept_head0",
+                                       "eval/chain_acceptance_length")]
         rows.append({"step": line["step"], "minutes": minutes, "tokens": tokens, "top1": top1,
-                     "tau": line["eval/acceptance_length"]})
+                     "tau": line["eval/acceptance_length"],
+                     "walk": (walk[0] if walk[0] is not None else walk[1], walk[2]) if walk[2] is not None else None})
     return rows
 
 
 def render(name: str, rows: list[dict], markdown: bool) -> str:
     width = max(len(r["top1"]) for r in rows)
+    walked = any(r["walk"] for r in rows)
     head = ["step", "minutes", "tokens seen", *(f"top-1 [{i}]" for i in range(width)), "tau est."]
+    head += ["chain: first accepted", "chain: mean length"] if walked else []
     body = [[str(r["step"]), f"{r['minutes']:.1f}", f"{r['tokens']:,}", *(f"{a:.3f}" for a in r["top1"]),
-             f"{r['tau']:.3f}"] for r in rows]
+             f"{r['tau']:.3f}"] + ([f"{r['walk'][0]:.3f}", f"{r['walk'][1]:.3f}"] if r["walk"] else ["–", "–"] if walked else [])
+            for r in rows]
     if markdown:
         lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
         lines += ["| " + " | ".join(row) + " |" for row in body]

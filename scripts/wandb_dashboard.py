@@ -18,7 +18,8 @@ is the one online step, run where the network is:
 Panels, and the run that logs each key:
 - Training (train runs, every trainer.log_every steps): train/loss; train/tokens_per_s.
 - Held-out (train runs, every trainer.eval_every steps): eval/top1_step<j> (EAGLE, EAGLE-3) or
-  eval/top1_head<k> (Medusa) per draft step; the acceptance-length estimate eval/acceptance_length
+  eval/top1_head<k> (Medusa) per draft step; the acceptance-length estimate eval/acceptance_length;
+  the chain walk's eval/chain_accept_<step|head><j> and eval/chain_acceptance_length
   against steps and against eval/wall_minutes.
 - Speculative decoding (eval runs: the job's eval stage and `python -m eval` with a W&B logger):
   the table eval/table (τ, speedup vs plain and vs transformers' generate, per drafter) and the
@@ -62,6 +63,8 @@ SECTIONS = (
         Panel("line", "acceptance length estimate (τ) by step", ("eval/acceptance_length",)),
         Panel("line", "acceptance length estimate (τ) by wall minutes", ("eval/acceptance_length",),
               x="eval/wall_minutes"),
+        Panel("line", "chain walk: accepted per drafted position", regex=r"^eval/chain_accept_(step|head)\d+$"),
+        Panel("line", "chain walk: mean acceptance length", ("eval/chain_acceptance_length",)),
     )),
     Section("Speculative decoding", (
         Panel("table", "eval: τ and speedup per drafter", ("eval/table",)),

@@ -262,6 +262,8 @@ def test_wandb_offline_run_folder_and_metrics_jsonl(tmp_path, monkeypatch):
     assert [r["step"] for r in rows] == [0, 2, 4] and [r["minutes"] for r in rows] == list(minutes.values())
     assert rows[0]["tokens"] == 0 < rows[1]["tokens"] < rows[2]["tokens"]
     assert len(rows[2]["top1"]) == 4 and "| 4 |" in render("run", rows, markdown=True)
+    assert all(r["walk"] is not None and 1.0 <= r["walk"][1] <= 5.0 for r in rows)  # the chain walk's figures
+    assert "chain: mean length" in render("run", rows, markdown=True)
 
 
 def test_max_minutes_stops_early(tmp_path):
