@@ -3,6 +3,7 @@
     python -m tests.release_heldout make [NAME ...]    # rebuild tests/assets/goldens/<RELEASES[NAME] file>
     python -m tests.release_heldout check [NAME ...]   # evaluate each release head on it, beside its manifest
     python -m tests.release_heldout dtypes [NAME ...]  # the same with the target's features in fp32 and in bf16
+    python -m tests.release_heldout check --depth 3     # the chain walk at an engine's K (default: the recipe's steps)
 
 A release head (heads/release/NAME) was trained by the recipe its manifest names
 (`training.recipe`, with the data overrides of its training command, RELEASES[NAME]): the first
@@ -47,12 +48,12 @@ def held_out_path(name: str) -> Path:
     return ASSETS / RELEASES[name][0]
 
 
-def release_job(name: str):
-    """The release head's training job, composed from the recipe its manifest names."""
+def release_job(name: str, overrides: tuple[str, ...] = ()):
+    """The release head's training job, composed from the recipe its manifest names (plus `overrides`)."""
     from train.__main__ import compose_job
 
     manifest = json.loads((release_dir(name) / "specheads.json").read_text())
-    return compose_job([f"+recipe={manifest['training']['recipe']}", *RELEASES[name][1]])
+    return compose_job([f"+recipe={manifest['training']['recipe']}", *RELEASES[name][1], *overrides])
 
 
 def make_held_out(target, name: str) -> Path:
@@ -63,7 +64,7 @@ def make_held_out(target, name: str) -> Path:
     from data.template import prompt_ids
     from train.selfdistill import eos_ids, target_identity
 
-    job, path = release_job(name), held_out_path(name)
+    job, path = release_job(name, overrides), held_out_path(name)
     data, wanted = job.data, job.trainer.eval_batches * job.trainer.batch_size
     conversations, _ = load_conversations(data)
     picked = []
@@ -112,7 +113,8 @@ def _bf16_copy(target):
     return bf16
 
 
-def evaluate_release(target, name: str, cache_dir: Path | None = None, features_target=None) -> tuple[dict, dict]:
+def evaluate_release(target, name: str, cache_dir: Path | None = None, features_target=None,
+                     overrides: tuple[str, ...] = ()) -> tuple[dict, dict]:
     """(held-out figures of release head `name` on its held-out file, the figures its manifest records).
     cache_dir: where the conversations' Arrow copy goes (default: the specheads cache).
     features_target: the target whose forward gives the features, read as fp32 (default: `target`
@@ -127,7 +129,7 @@ def evaluate_release(target, name: str, cache_dir: Path | None = None, features_
     from train.kinds import head_kind
     from train.objectives import FrozenParts, OnlineFeatures
 
-    job, path = release_job(name), held_out_path(name)
+    job, path = release_job(name, overrides), held_out_path(name)
     data = dataclasses.replace(job.data, source=str(path), format="jsonl",
                                cache_dir=str(cache_dir) if cache_dir else None)
     conversations, _ = load_conversations(data)
@@ -176,6 +178,8 @@ def main() -> None:
     parser.add_argument("command", choices=["make", "check", "dtypes"])
     parser.add_argument("names", nargs="*", help=f"default: all of {sorted(RELEASES)}")
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--depth", type=int, default=None,
+                        help="check: drafted steps scored and walked (heads.<kind>.eval_steps)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     target = load_target(TargetConfig(device="cpu"))
@@ -186,9 +190,13 @@ def main() -> None:
         if args.command == "dtypes":
             compare_feature_dtypes(target, name)
             continue
-        fresh, recorded = evaluate_release(target, name)
+        kind = json.loads((release_dir(name) / "specheads.json").read_text())["head_type"]
+        overrides = (f"heads.{kind}.eval_steps={args.depth}",) if args.depth else ()
+        fresh, recorded = evaluate_release(target, name, overrides=overrides)
         for key in sorted(recorded):
             print(f"{name} {key}: manifest {recorded[key]:.4f}, re-evaluated {fresh.get(key, float('nan')):.4f}")
+        for key in sorted(set(fresh) - set(recorded)):
+            print(f"{name} {key}: {fresh[key]:.4f}")
 
 
 if __name__ == "__main__":
