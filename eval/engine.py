@@ -148,6 +148,36 @@ def rates(counters: Sequence[dict], k: int) -> dict:
             "mean_acceptance_length": 1 + total["accepted_tokens"] / drafts if drafts else None}
 
 
+def paired_difference(a: Sequence[dict], b: Sequence[dict], resamples: int = 4000, seed: int = 0) -> dict:
+    """Head `a` minus head `b`, run on the same prompts (per-prompt counters of each, in prompt
+    order): the differences of mean acceptance length and of first-position acceptance, each with
+    a paired bootstrap standard error over prompts. The prompts are resampled together for both
+    heads, so a prompt that is easy for both cancels: what is left is how much the heads' order
+    depends on which prompts were drawn."""
+    if len(a) != len(b) or not a:
+        raise ValueError(f"paired_difference: {len(a)} and {len(b)} prompts (the same, at least one, are needed)")
+
+    def columns(counters):
+        return [torch.tensor([float(c[key]) for c in counters], dtype=torch.float64)
+                for key in ("drafts", "accepted_tokens")] + [
+            torch.tensor([float(c["accepted_per_position_counts"][0] if c["accepted_per_position_counts"] else 0)
+                          for c in counters], dtype=torch.float64)]
+
+    def figures(drafts, accepted, first):  # summed over prompts (last dim) -> mean length, first position
+        return accepted.sum(-1) / drafts.sum(-1), first.sum(-1) / drafts.sum(-1)
+
+    ca, cb = columns(a), columns(b)
+    generator = torch.Generator().manual_seed(seed)
+    picks = torch.randint(0, len(a), (resamples, len(a)), generator=generator)
+    out = {"prompts": len(a), "resamples": resamples}
+    whole = [x - y for x, y in zip(figures(*ca), figures(*cb))]
+    drawn = [x - y for x, y in zip(figures(*(c[picks] for c in ca)), figures(*(c[picks] for c in cb)))]
+    for name, value, sample in zip(("mean_acceptance_length", "first_position"), whole, drawn):
+        sample = sample[torch.isfinite(sample)]  # a draw of prompts with no draft at all has no rate
+        out[name] = {"difference": float(value), "standard_error": float(sample.std()) if len(sample) > 1 else None}
+    return out
+
+
 def training_estimate(manifest: dict, k: int) -> dict | None:
     """Training's held-out estimate at K: position i accepted with the product of the held-out
     top-1 of draft steps (Medusa: heads) 0..i-1 (the loop's acceptance estimate, cut at K)."""

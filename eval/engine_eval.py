@@ -12,8 +12,8 @@ from pathlib import Path
 from typing import Sequence
 
 from eval.config import RuntimeConfig
-from eval.engine import (ENGINES, TOLERANCE, EngineCase, EngineError, agreement, rates, run_ours, run_vllm,
-                         sampled_tolerance, training_estimate)
+from eval.engine import (ENGINES, TOLERANCE, EngineCase, EngineError, agreement, paired_difference, rates, run_ours,
+                         run_vllm, sampled_tolerance, training_estimate)
 from eval.out_folder import claim
 from eval.timing import cpu_hardware
 
@@ -112,6 +112,7 @@ def measure_engine(target, heads: Sequence[EngineHead], prompts: Sequence[dict],
         "tokens": {"engine_plain_vs_ours_plain": _identical(engine_plain["tokens"], ours["plain"]["tokens"])},
         "heads": [_head_report(h, case, runs, ours, chain, engine_plain, prompts, runtime, k)
                   for h, case, chain in zip(heads, head_cases, ours["chains"])],
+        "comparisons": _comparisons(heads, head_cases, runs),
         "notes": NOTES,
     }
     (out_dir / "report.json").write_text(json.dumps(report, indent=2))
@@ -126,6 +127,14 @@ NOTES = [
     "training estimate: position i accepted with the product of held-out top-1 of the draft steps up to it.",
     "tokens/s are end to end (prefill included), one request at a time; the engine runs in its own process.",
 ]
+
+
+def _comparisons(heads: Sequence[EngineHead], cases: Sequence[EngineCase], runs: dict) -> list[dict]:
+    """The first head against each other one in the engine, on the same prompts (paired bootstrap)."""
+    first = runs[cases[0].name]
+    return [{"head": str(heads[0].source), "against": str(head.source),
+             **paired_difference(first["per_prompt"], runs[case.name]["per_prompt"])}
+            for head, case in zip(heads[1:], cases[1:]) if "per_prompt" in first and "per_prompt" in runs[case.name]]
 
 
 def _head_report(head: EngineHead, case: EngineCase, runs: dict, ours: dict, chain_run: dict, engine_plain: dict,
@@ -211,6 +220,15 @@ def markdown(report: dict) -> str:
                 lines.append(f"| {category} | {row['prompts']} | {_positions(row['ours_chain']['accepted_per_position'])}"
                              f" | {_positions(row['engine']['accepted_per_position'])} | "
                              f"{row['speedup_vs_plain'] or 0:.2f}x | {row['engine_speedup_vs_plain'] or 0:.2f}x |")
+        lines.append("")
+    if report.get("comparisons"):
+        lines += [f"`{report['comparisons'][0]['head']}` minus each other head in vLLM, on the same prompts "
+                  "(standard error: paired bootstrap over prompts):", "",
+                  "| against | mean acceptance length | first position |", "| --- | --- | --- |"]
+        for row in report["comparisons"]:
+            cells = [f"{row[key]['difference']:+.3f} ± {row[key]['standard_error'] or 0:.3f}"
+                     for key in ("mean_acceptance_length", "first_position")]
+            lines.append(f"| {row['against']} | {cells[0]} | {cells[1]} |")
         lines.append("")
     same = report["tokens"]["engine_plain_vs_ours_plain"]
     lines += ["| plain decoding | tokens/s |", "| --- | --- |",

@@ -6,7 +6,9 @@
 Default heads: the shipped release heads (heads/release/*). Each head's engine layout is handed to
 vLLM as written (a release head's `speculators/` folder; an export of the head otherwise); our
 chain runs at the same K, plain decoding (ours, vLLM's, transformers' `generate`) once for all.
-Prints the markdown report (eval/engine_eval.py) and writes report.json / report.md to --out.
+Prints the markdown report (eval/engine_eval.py), with the first head's difference from each other
+head in vLLM (mean length, first position) and its paired bootstrap standard error over the
+prompts, and writes report.json / report.md to --out.
 """
 from __future__ import annotations
 

@@ -106,9 +106,10 @@ def test_the_report_puts_the_engine_beside_our_chain_per_category(tmp_path, monk
         per_prompt = [ours["chains"][0]["per_prompt"][0]] + [
             {"drafts": c["drafts"], "draft_tokens": c["draft_tokens"], "accepted_tokens": 0,
              "accepted_per_position_counts": [0, 0, 0]} for c in ours["chains"][0]["per_prompt"][1:]]
-        runs.append({"name": "head0", "tokens": ours["plain"]["tokens"], "seconds": 1.0,
-                     "per_prompt_seconds": [1 / 3] * 3, "new_tokens": ours["plain"]["new_tokens"],
-                     "per_prompt": per_prompt})
+        for name, counters in (("head0", per_prompt), ("head1", ours["chains"][1]["per_prompt"])):
+            runs.append({"name": name, "tokens": ours["plain"]["tokens"], "seconds": 1.0,
+                         "per_prompt_seconds": [1 / 3] * 3, "new_tokens": ours["plain"]["new_tokens"],
+                         "per_prompt": counters})
         return {"version": "stand-in", "runs": runs}
 
     import eval.engine_eval as engine_eval
@@ -117,12 +118,17 @@ def test_the_report_puts_the_engine_beside_our_chain_per_category(tmp_path, monk
     monkeypatch.setattr(engine_eval, "run_ours", lambda *a, **k: seen.setdefault("ours", real_ours(*a, **k)))
     monkeypatch.setattr(engine_eval, "run_vllm", engine)
     manifest = {"training": {"held_out": {"eval/top1_step0": 0.5}}}
-    heads = [EngineHead(tmp_path / "head", head, manifest, tmp_path / "engine", "eagle")]
+    heads = [EngineHead(tmp_path / "head", head, manifest, tmp_path / "engine", "eagle"),
+             EngineHead(tmp_path / "other", head, manifest, tmp_path / "engine", "eagle")]
     report = measure_engine(target, heads, prompts, RuntimeConfig(max_new_tokens=12), tmp_path / "out", k=3,
                             transformers=False)
-    assert seen["cases"] == [{"name": "head0", "method": "eagle", "model": str((tmp_path / "engine").resolve()),
-                              "k": 3, "prompts": None}]
-    (row,) = report["heads"]
+    assert seen["cases"] == [{"name": f"head{i}", "method": "eagle", "model": str((tmp_path / "engine").resolve()),
+                              "k": 3, "prompts": None} for i in range(2)]
+    row, other = report["heads"]
+    (comparison,) = report["comparisons"]  # head0 (what our chain accepted on one prompt) minus head1 (on all)
+    assert comparison["against"] == str(tmp_path / "other")
+    lengths = [r["rows"]["engine"]["mean_acceptance_length"] for r in (row, other)]
+    assert comparison["mean_acceptance_length"]["difference"] == pytest.approx(lengths[0] - lengths[1])
     ours, theirs = row["rows"]["ours_chain"], row["rows"]["engine"]
     assert ours["drafts"] == theirs["drafts"] and row["tokens"]["engine_speculative_vs_engine_plain"]["identical"] == 3
     difference = max(abs(a - b) for a, b in zip(ours["accepted_per_position"], theirs["accepted_per_position"]))
@@ -133,8 +139,37 @@ def test_the_report_puts_the_engine_beside_our_chain_per_category(tmp_path, monk
     chat = row["categories"]["chat"]
     assert chat["engine"]["accepted_per_position"] == [0.0, 0.0, 0.0]
     markdown = (tmp_path / "out" / "report.md").read_text()
-    assert "| code | 2 |" in markdown and "specheads chain" in markdown
+    assert "| code | 2 |" in markdown and "specheads chain" in markdown and f"| {tmp_path / 'other'} | " in markdown
     assert json.loads((tmp_path / "out" / "report.json").read_text())["k"] == 3
+
+
+def test_paired_difference_is_the_spread_over_prompts():
+    """Equal drafts on every prompt: the difference is the mean of the per-prompt differences over
+    the drafts and its bootstrap standard error that mean's (population) standard error; a head
+    against itself differs by nothing, with no spread."""
+    from eval.engine import paired_difference
+
+    generator = torch.Generator().manual_seed(3)
+    n, drafts = 60, 20
+
+    def head(high):
+        accepted = torch.randint(0, high, (n,), generator=generator)
+        return [{"drafts": drafts, "draft_tokens": 3 * drafts, "accepted_tokens": int(a),
+                 "accepted_per_position_counts": [int(min(a, drafts)), 0, 0]} for a in accepted]
+
+    a, b = head(40), head(25)
+    out = paired_difference(a, b)
+    per_prompt = torch.tensor([(x["accepted_tokens"] - y["accepted_tokens"]) / drafts for x, y in zip(a, b)],
+                              dtype=torch.float64)
+    assert out["prompts"] == n
+    assert out["mean_acceptance_length"]["difference"] == pytest.approx(float(per_prompt.mean()))
+    expected = float(per_prompt.std(unbiased=False)) / n ** 0.5
+    assert out["mean_acceptance_length"]["standard_error"] == pytest.approx(expected, rel=0.1)
+    assert out["first_position"]["standard_error"] > 0
+    same = paired_difference(a, a)
+    assert same["mean_acceptance_length"] == {"difference": 0.0, "standard_error": 0.0}
+    with pytest.raises(ValueError, match="prompts"):
+        paired_difference(a, b[:-1])
 
 
 def test_every_head_kind_has_a_layout_vllm_loads_and_a_method():
