@@ -33,10 +33,12 @@ RELEASES = {
     # python -m train +recipe=eagle_smollm2_135m_corpus data.max_records=4096 trainer.init_from=<that head>
     #   trainer.seed=1 trainer.schedule_clock=minutes trainer.max_minutes=55 trainer.max_steps=4000
     "eagle_smollm2_135m": ("release_heldout.jsonl", ["data.max_records=4096"]),
-    # 60 minutes on the whole corpus from the ridge-fitted fc, with EAGLE-3.1's norm before fc (docs/results.md):
-    # python -m train +recipe=eagle3_smollm2_135m_corpus data.max_records=4096 heads.eagle3.norm_before_fc=true
-    #   trainer.schedule_clock=minutes trainer.max_minutes=60 trainer.max_steps=100000
-    "eagle3_smollm2_135m": ("release_heldout_eagle3.jsonl", ["data.max_records=4096"]),
+    # 60 minutes on the 8,192-prompt corpus from the previous release head (60 minutes on the first 4,096 from
+    # the ridge-fitted fc, 6,807 steps), with EAGLE-3.1's norm before fc (docs/results.md):
+    # python -m train +recipe=eagle3_smollm2_135m_corpus data.max_records=8192 heads.eagle3.norm_before_fc=true
+    #   trainer.init_from=<that head> trainer.seed=2 trainer.schedule_clock=minutes trainer.max_minutes=60
+    #   trainer.max_steps=100000 trainer.feature_memory_mb=14000
+    "eagle3_smollm2_135m": ("release_heldout_eagle3.jsonl", ["data.max_records=8192"]),
 }
 
 
@@ -64,7 +66,7 @@ def make_held_out(target, name: str) -> Path:
     from data.template import prompt_ids
     from train.selfdistill import eos_ids, target_identity
 
-    job, path = release_job(name, overrides), held_out_path(name)
+    job, path = release_job(name), held_out_path(name)
     data, wanted = job.data, job.trainer.eval_batches * job.trainer.batch_size
     conversations, _ = load_conversations(data)
     picked = []
