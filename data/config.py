@@ -34,6 +34,10 @@ class RegenerateConfig:
     # lacks is copied from there when its key is this job's, instead of being generated. A relative
     # path that does not exist from the working directory is read from the repository root.
     reuse_from: str | None = None
+    # Dtypes besides the job's own whose shards in reuse_from are taken too: greedy replies computed
+    # in bf16 differ from fp32 ones only at near-ties, so a CPU without bf16 can train on a corpus
+    # shipped in bf16 instead of spending its slowest stage writing it again. Empty: only the job's.
+    reuse_dtypes: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -69,4 +73,6 @@ class DataConfig:
         positive(f"{key}.num_proc", self.num_proc)
         fraction(f"{key}.eval_fraction", self.eval_fraction, high_open=True)
         choice(f"{key}.regenerate.generator", self.regenerate.generator, GENERATORS)
+        for dtype in self.regenerate.reuse_dtypes:
+            choice(f"{key}.regenerate.reuse_dtypes", dtype, FEATURE_CACHE_DTYPES)
         positive(f"{key}.regenerate.batch_size", self.regenerate.batch_size)

@@ -161,15 +161,15 @@ def shard_key(records: Sequence[dict], config: RegenerateConfig, max_prompt_toke
     return hashlib.sha256(payload.encode("utf-8")).hexdigest()[:32]
 
 
-def _shard_done(output_dir: Path, name: str, key: str) -> bool:
-    """A shard can be reused when it exists and its key matches. A shard without a key (from before
-    keys existed, or whose key was removed) was made by an unknown target with unknown settings:
-    written again, like a mismatch."""
+def _shard_done(output_dir: Path, name: str, keys: Sequence[str]) -> bool:
+    """A shard can be reused when it exists and its key is one of `keys` (the job's own first). A
+    shard without a key (from before keys existed, or whose key was removed) was made by an unknown
+    target with unknown settings: written again, like a mismatch."""
     shard = output_dir / name
     if not shard.is_file():
         return False
     key_file = shard.with_name(shard.name + ".key")
-    if key_file.is_file() and key_file.read_text(encoding="utf-8").strip() == key:
+    if key_file.is_file() and key_file.read_text(encoding="utf-8").strip() in keys:
         return True
     why = "has no key file (unknown target and settings)" if not key_file.is_file() else \
         "was made from other records, settings or another target than this job's"
@@ -233,12 +233,25 @@ def regenerate(records: Sequence[dict], tokenizer, generate_fn: GenerateFn, outp
     keys = {s: shard_key(records[s * size:(s + 1) * size], config, max_prompt_tokens, seed, target_identity, dtype)
             for s in shards}
     names = shard_names(len(records), size)
-    missing = [s for s in shards if not _shard_done(output_dir, names[s], keys[s])]
+    # Keys of the same shard computed in another dtype the job accepts from reuse_from, by dtype.
+    others = [d for d in dict.fromkeys(config.reuse_dtypes) if d != dtype] if config.reuse_from else []
+    accepted = {s: {dtype: keys[s], **{d: shard_key(records[s * size:(s + 1) * size], config, max_prompt_tokens,
+                                                    seed, target_identity, d) for d in others}} for s in shards}
+    missing = [s for s in shards if not _shard_done(output_dir, names[s], list(accepted[s].values()))]
     if config.reuse_from and missing:
         source = _reuse_folder(config.reuse_from)
-        reused = [s for s in missing if _reuse_shard(source, output_dir, names[s], keys[s])]
+        reused = {}
+        for s in missing:
+            made_in = next((d for d, key in accepted[s].items() if _reuse_shard(source, output_dir, names[s], key)),
+                           None)
+            if made_in is not None:
+                reused[s] = made_in
         if reused:
             log.info("regenerate: %d shard(s) copied from %s", len(reused), source)
+        foreign = sorted(s for s, d in reused.items() if d != dtype)
+        if foreign:
+            log.warning("regenerate: shard(s) %s hold replies the target computed in %s, not this job's %s "
+                        "(data.regenerate.reuse_dtypes)", foreign, sorted({reused[s] for s in foreign}), dtype)
         missing = [s for s in missing if s not in reused]
     turns = {s: sum(m["role"] == "assistant" for r in records[s * size:(s + 1) * size]
                     for m in r["messages"][:_turn_limit(r["messages"], config.max_turns)]) for s in missing}

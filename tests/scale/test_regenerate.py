@@ -264,6 +264,41 @@ def test_shards_made_elsewhere_are_copied_in_where_their_keys_match(tmp_path):
     assert more == {"written": [2], "skipped": [0, 1]} and counting.calls == 2
 
 
+def test_a_job_may_take_shipped_shards_computed_in_another_dtype_when_asked(tmp_path, caplog):
+    config = RegenerateConfig(enabled=True, max_new_tokens=4, batch_size=2, shard_size=2)
+    generate = hf_generate_fn(tiny_model(), pad_id=0, eos_ids=[2])
+    records, tokenizer = _records(4), ToyTokenizer()
+    regenerate(records, tokenizer, generate, tmp_path / "made", config, progress=False, dtype="bfloat16")
+    shipped = _pack(tmp_path / "made", tmp_path / "shipped")
+    reference = _read(merge_shards(tmp_path / "made", 4, 2))
+
+    # An fp32 job: bf16 shards are not its own unless it names bf16 among the dtypes it accepts.
+    counting = Counting(generate)
+    strict = dataclasses.replace(config, reuse_from=str(shipped))
+    assert regenerate(records, tokenizer, counting, tmp_path / "strict", strict, progress=False)["written"] == [0, 1]
+    assert counting.calls == 4
+    lenient = dataclasses.replace(strict, reuse_dtypes=["bfloat16"])
+    never = Counting(generate, fail_after=0)
+    with caplog.at_level("WARNING", logger="data.regenerate"):
+        done = regenerate(records, tokenizer, never, tmp_path / "lenient", lenient, progress=False)
+    assert done == {"written": [], "skipped": [0, 1]}
+    assert _read(merge_shards(tmp_path / "lenient", 4, 2)) == reference
+    assert "computed in ['bfloat16'], not this job's float32" in caplog.text
+    # Copied once: a resumed job finds them done under the bf16 key, and generates nothing.
+    assert regenerate(records, tokenizer, never, tmp_path / "lenient", lenient, progress=False)["written"] == []
+    # The shard it writes itself (more records than shipped) carries its own dtype's key.
+    counting = Counting(generate)
+    more = regenerate(_records(6), tokenizer, counting, tmp_path / "lenient", lenient, progress=False)
+    assert more == {"written": [2], "skipped": [0, 1]} and counting.calls == 2
+
+
+def test_reuse_dtypes_names_dtypes_only():
+    from data.config import DataConfig
+
+    with pytest.raises(ValueError, match="reuse_dtypes"):
+        DataConfig(regenerate=RegenerateConfig(reuse_dtypes=["bf16x"])).check()
+
+
 def test_a_reuse_folder_that_is_not_there_is_an_error(tmp_path):
     config = RegenerateConfig(enabled=True, max_new_tokens=4, shard_size=2, reuse_from=str(tmp_path / "nowhere"))
     with pytest.raises(FileNotFoundError, match="reuse_from: .*nowhere is not a folder"):
