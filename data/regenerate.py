@@ -201,6 +201,12 @@ def _reuse_shard(source: Path, output_dir: Path, name: str, key: str) -> bool:
     return True
 
 
+def _reuse_shard_in_any(source: Path, output_dir: Path, name: str, keys: dict[str, str]) -> str | None:
+    """Copy shard `name` from `source` under the first of `keys` ({dtype: key}) that source holds
+    for it; the dtype it was made in, None where none matched."""
+    return next((dtype for dtype, key in keys.items() if _reuse_shard(source, output_dir, name, key)), None)
+
+
 def _install_shard(output_dir: Path, name: str, key: str, fill: Callable) -> None:
     """Write shard `name` (fill(binary handle) writes its bytes) and its key, each under a
     temporary name and renamed, the key first: a shard is never on disk beside a stale key."""
@@ -230,22 +236,18 @@ def regenerate(records: Sequence[dict], tokenizer, generate_fn: GenerateFn, outp
     output_dir.mkdir(parents=True, exist_ok=True)
     size = config.shard_size
     shards = range(rank, -(-len(records) // size), world_size)
-    keys = {s: shard_key(records[s * size:(s + 1) * size], config, max_prompt_tokens, seed, target_identity, dtype)
-            for s in shards}
+    # Each shard's key per dtype it may hold, the job's own first: the others are those of
+    # config.reuse_dtypes, accepted only where the job reuses shards made elsewhere.
+    dtypes = [dtype, *(d for d in dict.fromkeys(config.reuse_dtypes) if d != dtype and config.reuse_from)]
+    accepted = {s: {d: shard_key(records[s * size:(s + 1) * size], config, max_prompt_tokens, seed, target_identity, d)
+                    for d in dtypes} for s in shards}
+    keys = {s: accepted[s][dtype] for s in shards}
     names = shard_names(len(records), size)
-    # Keys of the same shard computed in another dtype the job accepts from reuse_from, by dtype.
-    others = [d for d in dict.fromkeys(config.reuse_dtypes) if d != dtype] if config.reuse_from else []
-    accepted = {s: {dtype: keys[s], **{d: shard_key(records[s * size:(s + 1) * size], config, max_prompt_tokens,
-                                                    seed, target_identity, d) for d in others}} for s in shards}
     missing = [s for s in shards if not _shard_done(output_dir, names[s], list(accepted[s].values()))]
     if config.reuse_from and missing:
         source = _reuse_folder(config.reuse_from)
-        reused = {}
-        for s in missing:
-            made_in = next((d for d, key in accepted[s].items() if _reuse_shard(source, output_dir, names[s], key)),
-                           None)
-            if made_in is not None:
-                reused[s] = made_in
+        copied = {s: _reuse_shard_in_any(source, output_dir, names[s], accepted[s]) for s in missing}
+        reused = {s: made_in for s, made_in in copied.items() if made_in is not None}
         if reused:
             log.info("regenerate: %d shard(s) copied from %s", len(reused), source)
         foreign = sorted(s for s, d in reused.items() if d != dtype)
