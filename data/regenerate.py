@@ -281,6 +281,22 @@ def regenerate(records: Sequence[dict], tokenizer, generate_fn: GenerateFn, outp
     return {"written": written, "skipped": [s for s in shards if s not in written]}
 
 
+def shard_dtypes(records: Sequence[dict], output_dir: str | os.PathLike, config: RegenerateConfig, dtypes: Sequence[str],
+                 max_prompt_tokens: int = 2048, seed: int = 0, target_identity: dict | None = None) -> dict[str, int]:
+    """How many of output_dir's shards hold replies the target computed in each of `dtypes`, read
+    from their keys (a shard whose key matches none counts under "unknown"): what a job trained on,
+    for its manifest, where shards made in another dtype were reused (config.reuse_dtypes)."""
+    output_dir, size = Path(output_dir), config.shard_size
+    counts: dict[str, int] = {}
+    for s, name in enumerate(shard_names(len(records), size)):
+        key_file = output_dir / f"{name}.key"
+        held = key_file.read_text(encoding="utf-8").strip() if key_file.is_file() else None
+        made_in = next((d for d in dict.fromkeys(dtypes) if held == shard_key(
+            records[s * size:(s + 1) * size], config, max_prompt_tokens, seed, target_identity, d)), "unknown")
+        counts[made_in] = counts.get(made_in, 0) + 1
+    return counts
+
+
 def merge_shards(output_dir: str | os.PathLike, num_records: int, shard_size: int) -> Path:
     """Concatenate every shard, in order, into output_dir/regenerated.jsonl (atomically)."""
     output_dir = Path(output_dir)

@@ -189,11 +189,15 @@ def frozen_target_dtype(job: JobConfig, target: FrozenTarget):
 def on_regenerated_data(job: JobConfig, target: FrozenTarget) -> tuple[JobConfig, Path, str]:
     """Self-distillation: the target's replies regenerated (or found, shard by shard), and the job
     reading them. Returns (that job, the regenerated JSONL, a description of the data for lineage)."""
-    from train.selfdistill import describe_regenerated, regenerate_data
+    from train.selfdistill import describe_regenerated, regenerate_data, regenerated_dtypes
 
     regenerated = regenerate_data(job, target, _regenerator(job, target))
+    made_in = regenerated_dtypes(job, target)
+    if set(made_in) != {str(target.dtype).removeprefix("torch.")}:
+        log.warning("the regenerated replies were not all computed in the target's dtype: %s (shards per dtype)",
+                    made_in)
     data = dataclasses.replace(job.data, source=str(regenerated), format="jsonl")
-    return dataclasses.replace(job, data=data), regenerated, describe_regenerated(job)
+    return dataclasses.replace(job, data=data), regenerated, describe_regenerated(job, made_in)
 
 
 def _check_resume(job: JobConfig, target: FrozenTarget, prepared) -> None:

@@ -8,7 +8,7 @@ from tests.tiny import tiny_target
 from tests.train.loop_fixtures import tiny_data, tiny_job
 from train.objectives import OnlineFeatures
 from train.offline import offline_source
-from train.selfdistill import regenerate_data
+from train.selfdistill import describe_regenerated, regenerate_data, regenerated_dtypes
 
 
 def test_offline_source_builds_the_cache_once_and_serves_online_features(tmp_path):
@@ -46,3 +46,7 @@ def test_regenerate_stage_writes_a_sharegpt_jsonl_for_data_source(tmp_path):
     lines = [json.loads(line) for line in out.read_text().splitlines()]
     assert out == tmp_path / "run" / "regenerated" / "regenerated.jsonl"
     assert [r["id"] for r in lines] == ["x0", "x1", "x2"] and all(r["conversations"][1]["value"] != "old" for r in lines)
+    made_in = regenerated_dtypes(job, target)
+    assert made_in == {"float32": 2}  # three records, two a shard
+    assert "computed in float32; self-distillation" in describe_regenerated(job, made_in)
+    assert "(1 of 3 shards)" in describe_regenerated(job, {"float32": 2, "bfloat16": 1})

@@ -6,7 +6,7 @@ import pytest
 
 from data.config import RegenerateConfig
 from data.records import SkipCounter, normalise
-from data.regenerate import hf_generate_fn, merge_shards, regenerate, shard_name
+from data.regenerate import hf_generate_fn, merge_shards, regenerate, shard_dtypes, shard_name
 from tests.helpers import ToyTokenizer
 from tests.tiny import tiny_model
 
@@ -290,6 +290,12 @@ def test_a_job_may_take_shipped_shards_computed_in_another_dtype_when_asked(tmp_
     counting = Counting(generate)
     more = regenerate(_records(6), tokenizer, counting, tmp_path / "lenient", lenient, progress=False)
     assert more == {"written": [2], "skipped": [0, 1]} and counting.calls == 2
+    # What the job trained on, for its manifest: shards per dtype, read back from their keys.
+    dtypes = ["float32", "bfloat16"]
+    assert shard_dtypes(_records(6), tmp_path / "lenient", lenient, dtypes) == {"bfloat16": 2, "float32": 1}
+    assert shard_dtypes(records, tmp_path / "strict", strict, dtypes) == {"float32": 2}
+    assert shard_dtypes(records, tmp_path / "strict", strict, dtypes, seed=0, target_identity={"other": 1}) == \
+        {"unknown": 2}
 
 
 def test_reuse_dtypes_names_dtypes_only():
