@@ -1,20 +1,29 @@
-"""Start-of-run calibration on the machine that runs: the target's verification-cost curve (one
-forward over n tokens), and from it plus the head's measured acceptance on a few calibration
-prompts (which are also measured prompts) the Medusa tree (`medusa_choices: auto`) and the EAGLE-2
-tree size (`tree_total_tokens: auto`)."""
+"""Start-of-run calibration on the machine that runs: the head drafters' size (the EAGLE-2 tree's
+`tree_total_tokens: auto`, P-EAGLE's `peagle_tree_tokens: auto`, the Medusa tree of
+`medusa_choices: auto`) chosen by running each candidate as the runtime runs it on a few
+calibration prompts (which are also measured prompts), and the target's verification-cost curve
+(one forward over n tokens) that the gate and the draft-model chains read.
+
+A candidate is timed whole: drafting, the target's forward over the tree, verification, cache
+compaction and the drafter's accept, at the cache lengths of a running sequence. An estimate built
+from a causal forward over n repeated tokens plus the drafting cost left out the rest of the step
+and the longer cache, and understated a 24-token step by a fifth: it then chose trees larger than
+the fastest one."""
 from __future__ import annotations
 
 import logging
-from typing import Sequence
+from typing import Callable, Mapping, Sequence
 
 import torch
 
-from eval.acceptance import measure_rank_accuracies, measure_tree_acceptance, walk_tree_acceptance
+from eval.acceptance import measure_rank_accuracies
 from eval.config import RuntimeConfig
 from eval.runtime.clock import device_clock, module_device
+from eval.runtime.drafters import Drafter
 from eval.runtime.drafters.eagle import EagleDrafter
 from eval.runtime.drafters.medusa import MedusaDrafter
-from eval.runtime.generate import plain_generate
+from eval.runtime.drafters.peagle import peagle_tree
+from eval.runtime.generate import plain_generate, speculative_generate
 from eval.runtime.medusa_trees import build_tree_from_accuracies, expected_acceptance, parse_choices
 from eval.runtime.model import LeanLlama
 from eval.runtime.sampling import SamplingConfig
@@ -46,8 +55,8 @@ def verify_costs(lean: LeanLlama, prompt: torch.Tensor, sizes: Sequence[int], re
 
 
 def monotone_costs(costs: dict[int, float]) -> dict[int, float]:
-    """A forward over more tokens never costs less: each size gets the largest cost measured at or
-    below it, so a noisy cheap reading at a large size cannot pick that size."""
+    """A forward (or a step) over more tokens never costs less: each size gets the largest cost
+    measured at or below it, so a noisy cheap reading at a large size cannot pick that size."""
     out, running = {}, 0.0
     for n in sorted(costs):
         running = max(running, costs[n])
@@ -56,95 +65,136 @@ def monotone_costs(costs: dict[int, float]) -> dict[int, float]:
 
 
 def _bar(items, description: str, progress: bool):
-    """A progress bar over calibration prompts: each costs up to max_new_tokens target forwards."""
+    """A progress bar over calibration prompts: each costs up to max_new_tokens target forwards per candidate."""
     from tqdm.auto import tqdm
 
     return tqdm(items, desc=f"calibration: {description}", unit="prompt", disable=not progress, leave=False)
 
 
-def _greedy_sequences(lean: LeanLlama, prompts, max_new_tokens: int, eos,
-                      progress: bool = False) -> tuple[list[torch.Tensor], list[int]]:
-    """Calibration data: (prompt + plain greedy continuation) for the first CALIBRATION_PROMPTS prompts."""
-    sequences, lengths = [], []
-    for prompt in _bar(prompts[:CALIBRATION_PROMPTS], "greedy continuations", progress):
-        tokens = plain_generate(lean, prompt, max_new_tokens, SamplingConfig(), eos).tokens
-        sequences.append(torch.cat([prompt, torch.tensor(tokens)]))
-        lengths.append(prompt.shape[0])
-    return sequences, lengths
+@torch.no_grad()
+def measure_sizes(lean: LeanLlama, candidates: Mapping[int, Callable[[], Drafter]], prompts, max_new_tokens: int,
+                  eos, description: str = "sizes", progress: bool = False) -> dict:
+    """Greedy generation on the first CALIBRATION_PROMPTS prompts: plain decoding, then each
+    candidate drafter in turn on the same prompt (load drift hits all alike), each run as the
+    runtime runs it (`speculative_generate`, no gate).
+
+    Returns {"plain_step_seconds": decode seconds per plain step, "step_seconds": {size: seconds
+    per speculative step, made non-decreasing in size (`monotone_costs`)}, "tau": {size: tokens
+    committed per step}, "steps": {size: steps}, "calibration_prompts", "speedup": {size: tau x
+    plain step / step}}: the ratio of tokens per second a run with that size would reach on these
+    prompts. Seconds are totals over the prompts divided by steps, as throughput is; a run's first
+    step, which includes the drafter's own prefill over the prompt, is left out of the time and
+    the count of its steps, and kept in tau."""
+    plain_time = plain_steps = 0.0
+    times = {size: 0.0 for size in candidates}
+    timed = {size: 0 for size in candidates}
+    committed = {size: 0 for size in candidates}
+    steps = {size: 0 for size in candidates}
+    chosen = list(prompts[:CALIBRATION_PROMPTS])
+    for prompt in _bar(chosen, description, progress):
+        plain = plain_generate(lean, prompt, max_new_tokens, SamplingConfig(), eos)
+        plain_time += plain.decode_time
+        plain_steps += max(len(plain.tokens) - 1, 0)
+        for size, build in candidates.items():
+            run = speculative_generate(lean, build(), prompt, max_new_tokens, SamplingConfig(), eos)
+            committed[size] += sum(a + 1 for a in run.accepted)
+            steps[size] += len(run.accepted)
+            if len(run.accepted) > 1:
+                times[size] += sum(run.draft_times[1:]) + sum(run.verify_times[1:])
+                timed[size] += len(run.accepted) - 1
+    plain_seconds = plain_time / plain_steps if plain_steps else float("nan")
+    step_seconds = monotone_costs({size: times[size] / timed[size] if timed[size] else float("inf")
+                                   for size in candidates})
+    tau = {size: committed[size] / steps[size] if steps[size] else 1.0 for size in candidates}
+    speedup = {size: tau[size] * plain_seconds / step_seconds[size] for size in candidates}
+    return {"calibration_prompts": len(chosen), "plain_step_seconds": plain_seconds, "step_seconds": step_seconds,
+            "tau": tau, "steps": steps, "speedup": speedup}
 
 
-def choose_tree_budget(verify_seconds: dict[int, float], accepted: dict[int, float],
-                       draft_seconds: dict[int, float]) -> tuple[int, dict[int, float]]:
-    """The total_tokens budget n with the most expected tokens per plain-decode-step time,
-    (1 + accepted[n]) * verify_seconds[1] / (verify_seconds[n] + draft_seconds[n]) (accepted: mean
-    accepted drafts; verify_seconds[n]: one target forward over n tokens). Returns (n, values)."""
-    values = {n: (1.0 + accepted[n]) * verify_seconds[1] / (verify_seconds[n] + draft_seconds[n]) for n in accepted}
-    return max(values, key=lambda n: (values[n], -n)), values
+def choose_size(speedup: Mapping[int, float]) -> int:
+    """The size with the highest measured speedup; the smaller on a tie (less work, same speed)."""
+    return max(speedup, key=lambda n: (speedup[n], -n))
+
+
+def _budget_report(measured: dict, chosen: int) -> dict:
+    """Report fields of a size calibration (eval.report renders them)."""
+    plain = measured["plain_step_seconds"]
+    return {"chosen": chosen, "calibration_prompts": measured["calibration_prompts"],
+            "plain_step_seconds": plain, "step_seconds_by_size": measured["step_seconds"],
+            "step_cost_in_plain_steps": {n: s / plain for n, s in measured["step_seconds"].items()},
+            "expected_tau_by_size": measured["tau"], "steps_by_size": measured["steps"],
+            "expected_speedup_by_size": measured["speedup"]}
+
+
+def _candidate_sizes(runtime: RuntimeConfig, largest: int | None = None) -> list[int]:
+    sizes = sorted(set(runtime.tree_auto_sizes))
+    if not sizes or sizes[0] < 2:
+        raise ValueError(f"runtime.tree_auto_sizes must be total_tokens budgets >= 2, got {runtime.tree_auto_sizes}")
+    if largest is None:
+        return sizes
+    return [n for n in sizes if n <= largest] or [largest]
 
 
 def eagle_tree_budget(head, lean: LeanLlama, runtime: RuntimeConfig, prompts, eos, draft_vocab,
                       progress: bool = False) -> tuple[int, dict]:
-    """runtime.tree_total_tokens "auto": the budget from the measured verification-cost curve of
-    this machine and the head's teacher-forced acceptance per budget on calibration prompts, taken
-    over the steps a greedy run with that budget would take (`measure_tree_acceptance`;
-    `progress`: bars over the calibration prompts)."""
-    budgets = sorted(set(runtime.tree_auto_sizes))
-    if not budgets or budgets[0] < 2:
-        raise ValueError(f"runtime.tree_auto_sizes must be total_tokens budgets >= 2, got {runtime.tree_auto_sizes}")
+    """runtime.tree_total_tokens "auto": the budget of `runtime.tree_auto_sizes` (up to the most
+    nodes the expansion drafts) whose greedy runs on the calibration prompts go fastest
+    (`measure_sizes`; `progress`: a bar over the prompts)."""
     top_k = runtime.tree_top_k
     largest = 1 + top_k + (runtime.tree_depth - 1) * top_k * top_k  # root + every node the expansion drafts
-    budgets = [n for n in budgets if n <= largest] or [largest]
-    sequences, lengths = _greedy_sequences(lean, prompts, runtime.max_new_tokens, eos, progress)
-    drafter = EagleDrafter(head, lean, mode="tree", depth=runtime.tree_depth, top_k=top_k, total_tokens=budgets[-1],
-                           draft_vocab=draft_vocab)
-    measured = measure_tree_acceptance(drafter, _bar(sequences, "tree acceptance per size", progress), lengths,
-                                       budgets)
-    costs = verify_costs(lean, prompts[0], (1, *budgets))
-    per_level = measured["expand_seconds"] / measured["levels"]
-    draft = {n: measured["catch_up_seconds"] + per_level * min(runtime.tree_depth, n - 1) for n in budgets}
-    best, values = choose_tree_budget(costs, measured["accepted"], draft)
-    log.info("eagle_tree total_tokens auto: %d (expected tau %.2f, %.2f tokens per plain-step time; verify cost in "
-             "plain steps %s)", best, 1 + measured["accepted"][best], values[best],
-             {n: round(costs[n] / costs[1], 2) for n in budgets})
-    return best, {
-        "chosen": best, "calibration_prompts": len(sequences), "positions": measured["positions"],
-        "verify_seconds_by_tokens": costs,
-        "verify_cost_in_plain_steps": {n: costs[n] / costs[1] for n in costs},
-        "draft_cost_in_plain_steps": {n: draft[n] / costs[1] for n in budgets},
-        "expected_tau_by_size": {n: 1.0 + a for n, a in measured["accepted"].items()},
-        "steps_by_size": measured["steps"],
-        "tau_over_every_position_by_size": {n: 1.0 + a for n, a in measured["accepted_per_position"].items()},
-        "tokens_per_plain_step_by_size": values,
-    }
+    budgets = _candidate_sizes(runtime, largest)
+    candidates = {n: (lambda n=n: EagleDrafter(head, lean, mode="tree", depth=runtime.tree_depth, top_k=top_k,
+                                               total_tokens=n, draft_vocab=draft_vocab)) for n in budgets}
+    measured = measure_sizes(lean, candidates, prompts, runtime.max_new_tokens, eos, "eagle tree sizes", progress)
+    best = choose_size(measured["speedup"])
+    _log_choice("eagle_tree total_tokens", best, measured)
+    return best, _budget_report(measured, best)
+
+
+def peagle_tree_budget(head, lean: LeanLlama, runtime: RuntimeConfig, depth: int, prompts, eos,
+                       progress: bool = False) -> tuple[int, dict]:
+    """runtime.peagle_tree_tokens "auto": as `eagle_tree_budget`, over P-EAGLE trees of
+    `runtime.tree_auto_sizes` tokens on `depth` slots."""
+    budgets = _candidate_sizes(runtime)
+    candidates = {n: (lambda n=n: peagle_tree(head, lean, depth, n)) for n in budgets}
+    measured = measure_sizes(lean, candidates, prompts, runtime.max_new_tokens, eos, "peagle tree sizes", progress)
+    best = choose_size(measured["speedup"])
+    _log_choice("peagle_tree total_tokens", best, measured)
+    return best, _budget_report(measured, best)
+
+
+def _log_choice(what: str, best: int, measured: dict) -> None:
+    log.info("%s auto: %d (expected tau %.2f, %.2fx plain on %d calibration prompts; step cost in plain steps %s)",
+             what, best, measured["tau"][best], measured["speedup"][best], measured["calibration_prompts"],
+             {n: round(s / measured["plain_step_seconds"], 2) for n, s in measured["step_seconds"].items()})
 
 
 def medusa_choices(heads: MedusaHeads, lean: LeanLlama, runtime: RuntimeConfig, prompts, eos, draft_vocab,
                    progress: bool = False):
-    """runtime.medusa_choices "auto": the static tree (of MEDUSA_AUTO_SIZES nodes) with the most expected
-    tokens per plain-step time from measured rank accuracies and verification costs; else the named
-    or JSON tree. Returns (choices, report fields)."""
+    """runtime.medusa_choices "auto": among the static trees of MEDUSA_AUTO_SIZES nodes built from
+    the heads' rank accuracies measured on the calibration prompts' greedy continuations, the one
+    whose greedy runs go fastest (`measure_sizes`); else the named or JSON tree. Returns (choices,
+    report fields)."""
     if runtime.medusa_choices != "auto":
         return parse_choices(runtime.medusa_choices), {}
     chain = [(0,) * (k + 1) for k in range(heads.config.num_heads)]
     probe = MedusaDrafter(heads, lean, chain, draft_vocab)
-    sequences, lengths = _greedy_sequences(lean, prompts, runtime.max_new_tokens, eos, progress)
+    sequences, lengths = [], []
+    for prompt in _bar(prompts[:CALIBRATION_PROMPTS], "greedy continuations", progress):
+        tokens = plain_generate(lean, prompt, runtime.max_new_tokens, SamplingConfig(), eos).tokens
+        sequences.append(torch.cat([prompt, torch.tensor(tokens, dtype=torch.long)]))
+        lengths.append(prompt.shape[0])
     accuracies = measure_rank_accuracies(probe, sequences, lengths, top=10)
-    costs = verify_costs(lean, prompts[0], (1, *(n + 1 for n in MEDUSA_AUTO_SIZES)))  # root + n nodes
     trees = {n: build_tree_from_accuracies(accuracies, n) for n in MEDUSA_AUTO_SIZES}
-    # Each tree's acceptance over the steps a greedy run with it takes: the accuracies' product
-    # (an average over every position) overstates it, as for EAGLE trees.
-    walked = walk_tree_acceptance([MedusaDrafter(heads, lean, tree, draft_vocab) for tree in trees.values()],
-                                  sequences, lengths)
-    accepted = {n: sum(steps) / max(len(steps), 1) for n, steps in zip(trees, walked)}
-    value = {n: (1.0 + accepted[n]) * costs[1] / costs[n + 1] for n in trees}
-    best = max(value, key=lambda n: (value[n], -n))
+    candidates = {n: (lambda tree=tree: MedusaDrafter(heads, lean, tree, draft_vocab)) for n, tree in trees.items()}
+    measured = measure_sizes(lean, candidates, prompts, runtime.max_new_tokens, eos, "medusa trees", progress)
+    best = choose_size(measured["speedup"])
     choices = trees[best]
-    log.info("medusa tree from measured rank accuracies (calibration on %d prompts that are also measured) and "
-             "verification costs: %d nodes, expected accepted drafts per step %.2f (per position %.2f), expected "
-             "tokens per plain step %.2f (sizes tried: %s)", len(sequences), len(choices), accepted[best],
-             expected_acceptance(choices, accuracies), value[best], {n: round(v, 2) for n, v in value.items()})
-    return choices, {"rank_accuracies": accuracies, "tokens_per_plain_step_by_size": value,
-                     "expected_tau_by_size": {n: 1.0 + a for n, a in accepted.items()},
+    log.info("medusa tree from measured rank accuracies and greedy runs of each size (%d calibration prompts that "
+             "are also measured): %d nodes, expected tau %.2f (the accuracies' product per position %.2f), %.2fx "
+             "plain (sizes tried: %s)", measured["calibration_prompts"], len(choices), measured["tau"][best],
+             1.0 + expected_acceptance(choices, accuracies), measured["speedup"][best],
+             {n: round(v, 2) for n, v in measured["speedup"].items()})
+    return choices, {"rank_accuracies": accuracies, **_budget_report(measured, best),
                      "tau_over_every_position_by_size": {n: 1.0 + expected_acceptance(tree, accuracies)
-                                                         for n, tree in trees.items()},
-                     "verify_seconds_by_tokens": costs}
+                                                         for n, tree in trees.items()}}

@@ -26,8 +26,8 @@ class RuntimeConfig:
     chain_depth: int = 4
     tree_top_k: int = 4  # EAGLE-2 expansion width
     tree_depth: int = 4
-    # Tokens per verification, root included: an int, or "auto" = chosen at start from this machine's
-    # measured verification-cost curve and the head's acceptance per budget (eval.calibrate.choose_tree_budget).
+    # Tokens per verification, root included: an int, or "auto" = the size of tree_auto_sizes whose greedy
+    # runs on the calibration prompts go fastest on this machine (eval.calibrate.eagle_tree_budget).
     tree_total_tokens: Any = 16
     tree_auto_sizes: list[int] = field(default_factory=lambda: [2, 3, 4, 6, 8, 12, 16, 24, 32])  # "auto" candidates
     medusa_choices: str = "auto"  # auto (from measured head accuracies) | mc_sim_7b_63 | JSON list
@@ -36,8 +36,9 @@ class RuntimeConfig:
     threads: int | None = None  # torch CPU threads, set by `python -m eval` (a train job: trainer.num_threads)
     tree_sweep: list[int] = field(default_factory=lambda: [4, 8, 16, 32])  # eagle_tree total_tokens sweep
     # peagle_tree: tokens per verification, root included, over chain_depth slots (the nodes are
-    # chosen per step from the slots' top tokens, eval/runtime/drafters/peagle.py)
-    peagle_tree_tokens: int = 8
+    # chosen per step from the slots' top tokens, eval/runtime/drafters/peagle.py); "auto": the size of
+    # tree_auto_sizes whose greedy runs on the calibration prompts go fastest (eval.calibrate)
+    peagle_tree_tokens: Any = 8
     draft_layers: int | None = None  # self_speculation: target layers in the draft; None = a quarter
     prompt_lookup_tokens: int = 8  # prompt_lookup: longest drafted chain
     seed: int = 0  # sampling generators (one per prompt, the same for every method)
@@ -91,8 +92,8 @@ def check_runtime(r: RuntimeConfig) -> None:
     need(r.tree_total_tokens == "auto" or (_is_int(r.tree_total_tokens) and r.tree_total_tokens >= 2),
          "tree_total_tokens", "must be an int >= 2 (the root plus at least one drafted token) or 'auto'")
     need(all(_is_int(n) and n >= 2 for n in r.tree_auto_sizes), "tree_auto_sizes", "must hold ints >= 2")
-    need(_is_int(r.peagle_tree_tokens) and r.peagle_tree_tokens >= 2, "peagle_tree_tokens",
-         "must be an int >= 2 (the root plus at least one drafted token)")
+    need(r.peagle_tree_tokens == "auto" or (_is_int(r.peagle_tree_tokens) and r.peagle_tree_tokens >= 2),
+         "peagle_tree_tokens", "must be an int >= 2 (the root plus at least one drafted token) or 'auto'")
     for key in ("tree_depth", "tree_top_k", "chain_depth", "max_new_tokens", "num_prompts", "max_prompt_tokens",
                 "prompt_lookup_tokens", "fallback_probe_every"):
         need(_is_int(getattr(r, key)) and getattr(r, key) >= 1, key, "must be an int >= 1")

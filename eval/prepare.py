@@ -72,7 +72,7 @@ def runtime_sizes(runtime: RuntimeConfig, drafters: Sequence[str] = ()) -> list[
              runtime.prompt_lookup_tokens + 1}
     if isinstance(runtime.tree_total_tokens, int) and not isinstance(runtime.tree_total_tokens, bool):
         sizes.add(runtime.tree_total_tokens)
-    if "peagle_tree" in drafters:
+    if "peagle_tree" in drafters and runtime.peagle_tree_tokens != "auto":  # auto: among tree_auto_sizes
         sizes.add(runtime.peagle_tree_tokens)
     if "medusa" in drafters:
         from eval.calibrate import MEDUSA_AUTO_SIZES

@@ -72,6 +72,8 @@ def markdown_table(report: dict) -> str:
             lines.append(f"| {row['name']} | {_fmt(row.get('speculated_fraction'))} | "
                          + " | ".join(_fmt(v) for v in values) + " |")
     lines += _budget_lines(report.get("eagle_tree_budget"))
+    lines += _budget_lines(report.get("peagle_tree_budget"), "P-EAGLE tree")
+    lines += _budget_lines(report.get("medusa"), "Medusa tree", "nodes")
     lines += _runtime_lines(report.get("dtype"), report.get("linear_paths"))
     lines += _placement_lines(report.get("placement"), report.get("weights"))
     lines += ["", "Notes:", ""] + [f"- {note}" for note in report.get("notes", [])]
@@ -97,21 +99,18 @@ def _mismatch_lines(report: dict) -> list[str]:
     return lines
 
 
-def _budget_lines(budget: dict | None) -> list[str]:
-    """The eagle_tree total_tokens "auto" calibration: cost curve, expected τ and value per size."""
-    if not budget:
+def _budget_lines(budget: dict | None, what: str = "EAGLE tree", knob: str = "total_tokens") -> list[str]:
+    """A size calibration ("auto"): each size's step cost, τ and speedup in greedy runs on the calibration prompts."""
+    if not budget or "chosen" not in budget:  # a configured size (or a named Medusa tree): nothing measured
         return []
-    lines = ["", f"EAGLE tree size chosen from this machine's verification-cost curve: total_tokens="
-             f"{budget['chosen']} ({budget['positions']} teacher-forced positions on {budget['calibration_prompts']} "
-             "calibration prompts, which are also measured above). Costs in plain decode steps "
-             f"(one-token forward = {1000 * budget['verify_seconds_by_tokens'][1]:.1f} ms):", "",
-             "| total_tokens | verify cost | draft cost | expected τ | expected tokens per plain-step time |",
-             "| --- | --- | --- | --- | --- |"]
-    for size, value in budget["tokens_per_plain_step_by_size"].items():
+    lines = ["", f"{what} size chosen by timing greedy runs of each size on this machine: {knob}={budget['chosen']} "
+             f"({budget['calibration_prompts']} calibration prompts, which are also measured above; a whole "
+             f"speculative step in plain decode steps of {1000 * budget['plain_step_seconds']:.1f} ms):", "",
+             f"| {knob} | step cost | τ | speedup over plain |", "| --- | --- | --- | --- |"]
+    for size, value in budget["expected_speedup_by_size"].items():
         mark = " (chosen)" if size == budget["chosen"] else ""
-        lines.append(f"| {size}{mark} | {_fmt(budget['verify_cost_in_plain_steps'][size])} "
-                     f"| {_fmt(budget['draft_cost_in_plain_steps'][size])} | {_fmt(budget['expected_tau_by_size'][size])} "
-                     f"| {_fmt(value)} |")
+        lines.append(f"| {size}{mark} | {_fmt(budget['step_cost_in_plain_steps'][size])} "
+                     f"| {_fmt(budget['expected_tau_by_size'][size])} | {_fmt(value)}x |")
     return lines
 
 

@@ -14,7 +14,7 @@ from typing import Callable, Sequence
 import torch
 
 from eval.batch_eval import evaluate_batches
-from eval.calibrate import eagle_tree_budget, medusa_choices, verify_costs
+from eval.calibrate import eagle_tree_budget, medusa_choices, peagle_tree_budget, verify_costs
 from eval.config import DRAFTERS, RuntimeConfig
 from eval.divergence import classify
 from eval.prepare import dtype_name, head_in_dtype, prepare_target, runtime_sizes
@@ -167,10 +167,15 @@ def build_methods(names: Sequence[str], runtime: RuntimeConfig, lean: LeanLlama,
                                   verification, settings={"tree_nodes": len(choices), "choices": runtime.medusa_choices,
                                                           **vocab, **gate}))
         elif name == "peagle_tree":
-            depth, total = min(runtime.chain_depth, head.config.speculative_tokens), runtime.peagle_tree_tokens
+            depth = min(runtime.chain_depth, head.config.speculative_tokens)
+            total, initial_tau, auto = runtime.peagle_tree_tokens, 2.0, {}
+            if total == "auto":
+                total, budget = peagle_tree_budget(head, lean, runtime, depth, prompts, eos, progress)
+                extra["peagle_tree_budget"], initial_tau = budget, budget["expected_tau_by_size"][total]
+                auto = {"total_tokens_auto": True}
             methods.append(Method(name, _gated(lambda depth=depth, total=total: peagle_tree(head, lean, depth, total),
-                                               runtime, plain_seconds, lean),
-                                  settings={"total_tokens": total, "depth": depth, **vocab, **gate}))
+                                               runtime, plain_seconds, lean, initial_tau),
+                                  settings={**auto, "total_tokens": total, "depth": depth, **vocab, **gate}))
         else:  # the head kind's chain (eval.runtime.drafters.kinds): eagle_chain, and a new kind's drafter as it is
             chain = kind_drafters(head).chain
             methods.append(Method(name, _gated(lambda chain=chain: chain(head, lean, runtime.chain_depth, draft_vocab), runtime,

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from eval.acceptance import measure_rank_accuracies, walk_tree_acceptance
+from eval.acceptance import measure_rank_accuracies
 from eval.runtime.drafters import DraftState
 from eval.runtime.drafters.medusa import MedusaDrafter
 from eval.runtime.generate import plain_generate, speculative_generate
@@ -120,27 +120,6 @@ def test_draft_vocab_subset(setup):
     drafter = MedusaDrafter(heads, lean, [(0,), (0, 0)], draft_vocab=vocab)
     sequences = [torch.cat([p, torch.tensor(plain_generate(lean, p, 12).tokens)]) for p in prompts(2)]
     assert all(0.0 <= sum(row) <= 1.0 + 1e-6 for row in measure_rank_accuracies(drafter, sequences, [6, 6], top=5))
-
-
-@pytest.mark.parametrize("vocab", [None, torch.arange(1, 128)])
-def test_calibration_walk_takes_the_runtimes_steps(setup, vocab):
-    """Each tree's acceptance in calibration is the runtime's, step for step."""
-    lean, heads, _ = setup
-    tree = [(0,), (1,), (0, 0), (0, 1), (0, 0, 0)]
-    drafter = MedusaDrafter(heads, lean, tree, draft_vocab=vocab)
-    seen = 0
-    for prompt in prompts(3):
-        full = torch.cat([prompt, torch.tensor(plain_generate(lean, prompt, 20).tokens)])
-        walked = walk_tree_acceptance([drafter], [full], [prompt.shape[0]])[0]
-        root, steps = prompt.shape[0], []
-        for accepted in speculative_generate(lean, drafter, prompt, 20).accepted:
-            if root >= full.shape[0] - drafter.num_used:
-                break
-            steps.append(accepted)
-            root += accepted + 1
-        assert walked == steps and steps
-        seen += sum(steps)
-    assert seen > 0
 
 
 def test_float32_heads_draft_behind_a_bfloat16_target(setup):

@@ -234,3 +234,25 @@ def test_eval_measures_the_tree_at_its_setting():
     assert methods[1].settings["total_tokens"] == 6 and methods[1].settings["depth"] == 3
     with pytest.raises(ValueError, match="peagle_tree_tokens"):
         check_runtime(RuntimeConfig(peagle_tree_tokens=1))
+
+
+def test_eval_chooses_the_tree_size_by_timing_runs():
+    """peagle_tree_tokens "auto": the size of tree_auto_sizes whose greedy runs go fastest, from
+    the same calibration as the EAGLE tree, reported beside its τ and step cost per size."""
+    from eval.config import RuntimeConfig, check_runtime
+    from eval.run import build_methods
+
+    target, lean, head = _random()
+    runtime = RuntimeConfig(drafters=["peagle_tree"], chain_depth=3, peagle_tree_tokens="auto",
+                            tree_auto_sizes=[2, 4, 6], max_new_tokens=8)
+    check_runtime(runtime)
+    prompts = [torch.randint(3, 100, (6,), generator=torch.Generator().manual_seed(i)) for i in range(2)]
+    methods, extra = build_methods(runtime.drafters, runtime, lean, head=head, prompts=prompts)
+    budget = extra["peagle_tree_budget"]
+    assert set(budget["expected_speedup_by_size"]) == {2, 4, 6} and budget["calibration_prompts"] == 2
+    assert budget["chosen"] == max(budget["expected_speedup_by_size"],
+                                   key=lambda n: (budget["expected_speedup_by_size"][n], -n))
+    tree = methods[1].build()
+    assert tree.total_tokens == budget["chosen"] and methods[1].settings["total_tokens_auto"] is True
+    with pytest.raises(ValueError, match="peagle_tree_tokens"):
+        check_runtime(RuntimeConfig(peagle_tree_tokens="big"))

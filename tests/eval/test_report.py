@@ -69,13 +69,13 @@ def test_wandb_logging_only_with_an_active_run(tmp_path, monkeypatch):
 
 def test_tree_budget_and_speculated_fraction_in_the_table():
     row = {**_row("eagle_tree", 4, tau=1.9, tps=40.0), "speculated_fraction": 0.25}
-    budget = {"chosen": 4, "positions": 30, "calibration_prompts": 2,
-              "verify_seconds_by_tokens": {1: 0.030, 2: 0.045, 4: 0.048},
-              "verify_cost_in_plain_steps": {1: 1.0, 2: 1.5, 4: 1.6},
-              "draft_cost_in_plain_steps": {2: 0.1, 4: 0.2}, "expected_tau_by_size": {2: 1.5, 4: 2.1},
-              "tokens_per_plain_step_by_size": {2: 0.94, 4: 1.17}}
-    text = markdown_table(report(drafters=[row], eagle_tree_budget=budget))
+    budget = {"chosen": 4, "calibration_prompts": 2, "plain_step_seconds": 0.030,
+              "step_seconds_by_size": {2: 0.048, 4: 0.054}, "step_cost_in_plain_steps": {2: 1.6, 4: 1.8},
+              "expected_tau_by_size": {2: 1.5, 4: 2.1}, "expected_speedup_by_size": {2: 0.94, 4: 1.17}}
+    text = markdown_table(report(drafters=[row], eagle_tree_budget=budget, peagle_tree_budget={**budget, "chosen": 2},
+                                 medusa={"choices": [[0]]}))
     assert "| eagle_tree | lossless | total_tokens=4 | 1.90 | 0.25 |" in text
-    assert "| 4 (chosen) | 1.60 | 0.20 | 2.10 | 1.17 |" in text and "| 2 | 1.50 | 0.10 | 1.50 | 0.94 |" in text
-    assert "one-token forward = 30.0 ms" in text
+    assert "| 4 (chosen) | 1.80 | 2.10 | 1.17x |" in text and "| 2 | 1.60 | 1.50 | 0.94x |" in text
+    assert "plain decode steps of 30.0 ms" in text and "P-EAGLE tree size chosen" in text
+    assert "| 2 (chosen) | 1.60 | 1.50 | 0.94x |" in text and "Medusa tree" not in text  # a named tree: none timed
     assert "chosen" not in markdown_table(report(drafters=[row]))

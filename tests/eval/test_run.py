@@ -59,7 +59,7 @@ def test_evaluate_medusa_with_auto_tree_and_lossy_typical(target, tmp_path):
     assert row["lossy"] is True and "greedy_identical" not in row
     assert row["settings"]["fallback"] is True and 0.0 < row["speculated_fraction"] <= 1.0
     assert len(report["medusa"]["choices"]) in (4, 8, 16, 32, 64)
-    assert set(report["medusa"]["tokens_per_plain_step_by_size"]) == {4, 8, 16, 32, 64}
+    assert set(report["medusa"]["expected_speedup_by_size"]) == {4, 8, 16, 32, 64}
     assert "typical (LOSSY)" in (tmp_path / "report.md").read_text()
     assert report["recommended_runtime"] == {"medusa_choices": report["medusa"]["choices"], "measured": ["medusa_choices"],
                                              "measured_on": report["measured_on"]}  # the tree was chosen by timing

@@ -65,17 +65,17 @@ def test_generation_and_calibration_read_a_synchronised_clock_on_cuda(syncs, lea
     assert syncs and all(call == ("sync", "cuda:0") for call in syncs)
 
 
-def test_tree_calibration_times_drafting_on_a_synchronised_clock(syncs, monkeypatch):
+def test_size_calibration_times_runs_on_a_synchronised_clock(syncs, monkeypatch):
     from tests.tiny import tiny_eagle_setup
 
     _, lean, head = tiny_eagle_setup(max_seq_len=32)
-    drafter = eval.runtime.drafters.eagle.EagleDrafter(head, lean, mode="tree", depth=2, top_k=2, total_tokens=4)
-    sequence = torch.arange(3, 15)
-    eval.acceptance.measure_tree_acceptance(drafter, [sequence], [6], [2, 4])
+    build = {2: lambda: eval.runtime.drafters.eagle.EagleDrafter(head, lean, mode="tree", depth=2, top_k=2,
+                                                                   total_tokens=2)}
+    eval.calibrate.measure_sizes(lean, build, [torch.arange(3, 9)], 4, [])
     assert syncs == []
-    monkeypatch.setattr(eval.acceptance, "module_device", lambda model: CUDA)
-    measured = eval.acceptance.measure_tree_acceptance(drafter, [sequence], [6], [2, 4])
-    assert measured["positions"] == 4 and syncs == [("sync", "cuda:0")] * 3 * 4  # catch-up, expand, end
+    monkeypatch.setattr(eval.runtime.generate, "module_device", lambda model: CUDA)
+    measured = eval.calibrate.measure_sizes(lean, build, [torch.arange(3, 9)], 4, [])
+    assert measured["steps"][2] >= 1 and syncs and all(call == ("sync", "cuda:0") for call in syncs)
 
 
 def test_dynamic_gamma_gets_the_curve_measured_here(lean):

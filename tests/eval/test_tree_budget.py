@@ -1,17 +1,17 @@
-"""EAGLE tree size from the measured verification-cost curve: the choice rule on hand-made curves,
-teacher-forced acceptance that matches the runtime's first step, and `tree_total_tokens: auto` with
-the fallback gate through `evaluate`, for EAGLE-1/2 and EAGLE-3 heads (the latter over a draft
-vocabulary of 96 of the 128 ids)."""
+"""EAGLE tree size from greedy runs of each size on the machine: the choice rule, the τ and step time
+of those runs against the runtime's own, and `tree_total_tokens: auto` with the fallback gate
+through `evaluate`, for EAGLE-1/2 and EAGLE-3 heads (the latter over a draft vocabulary of 96 of
+the 128 ids)."""
 import pytest
 import torch
 
-from eval.acceptance import greedy_accepted, measure_tree_acceptance, walk_acceptance
-from eval.calibrate import choose_tree_budget, monotone_costs, verify_costs
+import eval.calibrate
+from eval.calibrate import (CALIBRATION_PROMPTS, choose_size, eagle_tree_budget, measure_sizes, monotone_costs,
+                            verify_costs)
 from eval.config import RuntimeConfig
 from eval.run import evaluate
-from eval.runtime.drafters import Candidates
 from eval.runtime.drafters.eagle import EagleDrafter
-from eval.runtime.generate import plain_generate, speculative_generate
+from eval.runtime.generate import speculative_generate
 from heads.eagle3 import Eagle3Head
 from tests.tiny import tiny_eagle3_setup, tiny_eagle_setup
 
@@ -34,81 +34,52 @@ def prompts(count: int, length: int = 7):
     return [torch.randint(3, 128, (length,), generator=generator) for _ in range(count)]
 
 
-def test_choose_tree_budget_follows_the_cost_curve():
-    accepted = {2: 0.5, 4: 1.0, 8: 1.4, 16: 1.7}
-    no_draft = {n: 0.0 for n in accepted}
-    steep = {1: 1.0, 2: 1.8, 4: 2.0, 8: 2.4, 16: 3.4}  # this CPU: multi-row forwards cost ~2x
-    flat = {1: 1.0, 2: 1.0, 4: 1.01, 8: 1.02, 16: 1.05}  # a GPU: verification is nearly free
-    best, values = choose_tree_budget(steep, accepted, no_draft)
-    assert best == 4 and values[4] == pytest.approx(2.0 / 2.0) and values[16] == pytest.approx(2.7 / 3.4)
-    assert choose_tree_budget(flat, accepted, no_draft)[0] == 16
-    assert choose_tree_budget(flat, accepted, {2: 0.0, 4: 0.1, 8: 0.3, 16: 0.6})[0] == 8  # drafting has a price
-    assert choose_tree_budget({1: 1.0, 2: 2.0, 4: 2.0}, {2: 1.0, 4: 1.0}, {2: 0.0, 4: 0.0})[0] == 2  # ties: smaller
+def test_the_fastest_size_is_chosen_and_the_smaller_on_a_tie():
+    assert choose_size({2: 1.10, 4: 1.31, 8: 1.27}) == 4
+    assert choose_size({2: 1.2, 4: 1.2}) == 2  # same speed, less work
+    assert choose_size({2: 0.0, 4: 0.0}) == 2  # nothing timed (inf step): the smallest
 
 
-def test_greedy_accepted_walks_the_matching_path():
-    tree = Candidates(torch.tensor([5, 6, 7, 8, 9]), torch.tensor([-1, -1, 1, 1, 3]))  # 5 | 6 -> (7 | 8 -> 9)
-    assert greedy_accepted(tree, [6, 8, 9, 1]) == 3
-    assert greedy_accepted(tree, [6, 7, 9]) == 2
-    assert greedy_accepted(tree, [4]) == 0 and greedy_accepted(tree, []) == 0
-
-
-def test_teacher_forced_acceptance_matches_the_runtime(each_kind):
-    """At every root the runtime visits, the teacher-forced tree of each budget accepts exactly as
-    many drafts as the runtime's step with that total_tokens did."""
+def test_sizes_are_timed_as_the_runtime_runs_them(each_kind):
+    """Calibration's τ per size is what a greedy run with that size commits (the same runs), its
+    step time is the runs' whole step past the first (draft, verify and bookkeeping), and its
+    speedup is τ x plain step / step."""
     _, lean, head = each_kind
-    budgets, levels, new_tokens = [2, 3, 5, 8], 3, 16
-    seen_accepts = 0
-    for prompt in prompts(2):
-        full = torch.cat([prompt, torch.tensor(plain_generate(lean, prompt, new_tokens).tokens)])
-        forced = {}  # root index -> {budget: accepted drafts}
-        for budget in budgets:
-            drafter = EagleDrafter(head, lean, mode="tree", depth=levels, top_k=3, total_tokens=budget)
-            root = prompt.shape[0]
-            for accepted in speculative_generate(lean, drafter, prompt, new_tokens).accepted:
-                if root + 1 + levels > full.shape[0]:
-                    break
-                if root not in forced:  # one position: the sequence ends `levels` tokens after the root
-                    calibration = EagleDrafter(head, lean, mode="tree", depth=levels, top_k=3, total_tokens=max(budgets))
-                    measured = measure_tree_acceptance(calibration, [full[: root + 1 + levels]], [root], budgets)
-                    assert measured["positions"] == 1 and measured["levels"] == levels
-                    forced[root] = measured["accepted"]
-                    assert all(forced[root][a] <= forced[root][b] for a, b in zip(budgets, budgets[1:]))  # nested
-                assert forced[root][budget] == accepted, (root, budget, forced[root], accepted)
-                seen_accepts += accepted
-                root += accepted + 1
-    assert seen_accepts > 0  # the warm head gets drafts accepted: the comparison is not all zeros
+    budgets, new_tokens = [2, 3, 5, 8], 16
+    build = {n: (lambda n=n: EagleDrafter(head, lean, mode="tree", depth=3, top_k=3, total_tokens=n)) for n in budgets}
+    calibration = prompts(5)
+    measured = measure_sizes(lean, build, calibration, new_tokens, [])
+    assert measured["calibration_prompts"] == CALIBRATION_PROMPTS == 4  # the first four prompts only
+    for n in budgets:
+        runs = [speculative_generate(lean, build[n](), p, new_tokens) for p in calibration[:4]]
+        assert measured["steps"][n] == sum(len(r.accepted) for r in runs)
+        assert measured["tau"][n] == pytest.approx(sum(a + 1 for r in runs for a in r.accepted) / measured["steps"][n])
+        assert measured["speedup"][n] == pytest.approx(
+            measured["tau"][n] * measured["plain_step_seconds"] / measured["step_seconds"][n])
+    assert measured["tau"][8] > 1.0  # the warm head gets drafts accepted: the comparison is not all ones
+    steps = [measured["step_seconds"][n] for n in budgets]
+    assert steps == sorted(steps) and all(0 < s < 1 for s in steps) and 0 < measured["plain_step_seconds"] < 1
 
 
-def test_walk_takes_the_steps_a_greedy_run_takes():
-    # roots at positions 0 (2 accepted: 3 tokens), 3 (1 accepted), 5 (3 accepted), then past the end
-    assert walk_acceptance([2, 0, 0, 1, 0, 3, 0]) == [2, 1, 3]
-    assert walk_acceptance([0, 0, 0]) == [0, 0, 0] and walk_acceptance([]) == []
+def test_a_size_that_times_faster_is_chosen(setup, monkeypatch):
+    """The choice follows the timed step, not a cost model: a drafter made slow at one size loses
+    there however many tokens it commits."""
+    import time
 
+    _, lean, head = setup
 
-def test_calibration_expects_the_tau_the_runtime_gets(each_kind):
-    """The calibration's expected acceptance per step is the runtime's, step for step: the walk over
-    teacher-forced positions takes the runtime's steps. The mean over every position (the old
-    estimate) is higher than what the runtime got for some budget: easy stretches take few steps."""
-    _, lean, head = each_kind
-    budgets, levels, new_tokens = [2, 3, 5, 8], 3, 24
-    overstated = 0
-    for prompt in prompts(3):
-        full = torch.cat([prompt, torch.tensor(plain_generate(lean, prompt, new_tokens).tokens)])
-        calibration = EagleDrafter(head, lean, mode="tree", depth=levels, top_k=3, total_tokens=max(budgets))
-        measured = measure_tree_acceptance(calibration, [full], [prompt.shape[0]], budgets)
-        for budget in budgets:
-            drafter = EagleDrafter(head, lean, mode="tree", depth=levels, top_k=3, total_tokens=budget)
-            root, steps = prompt.shape[0], []
-            for accepted in speculative_generate(lean, drafter, prompt, new_tokens).accepted:
-                if root >= full.shape[0] - levels:  # past the last position calibration drafts at
-                    break
-                steps.append(accepted)
-                root += accepted + 1
-            assert measured["steps"][budget] == len(steps) > 0
-            assert measured["accepted"][budget] == pytest.approx(sum(steps) / len(steps))
-            overstated += measured["accepted_per_position"][budget] > measured["accepted"][budget] + 1e-9
-    assert overstated > 0
+    class Slow(EagleDrafter):
+        def propose(self, state):
+            time.sleep(0.05)
+            return super().propose(state)
+
+    runtime = RuntimeConfig(max_new_tokens=10, tree_top_k=2, tree_depth=3, tree_auto_sizes=[2, 6])
+    monkeypatch.setattr(eval.calibrate, "EagleDrafter",
+                        lambda *a, total_tokens, **k: (Slow if total_tokens == 6 else EagleDrafter)(
+                            *a, total_tokens=total_tokens, **k))
+    chosen, budget = eagle_tree_budget(head, lean, runtime, prompts(2), [], None)
+    assert chosen == 2 and budget["step_cost_in_plain_steps"][6] > budget["step_cost_in_plain_steps"][2] + 1
+    assert budget["expected_tau_by_size"][6] >= budget["expected_tau_by_size"][2]  # it lost on time alone
 
 
 def test_evaluate_with_auto_tree_size_and_fallback(each_kind, tmp_path):
@@ -120,8 +91,8 @@ def test_evaluate_with_auto_tree_size_and_fallback(each_kind, tmp_path):
                       head_config=head.config, out_dir=tmp_path, progress=False)
     budget = report["eagle_tree_budget"]
     # top_k 2, depth 3 drafts at most 2 + 2 * 4 = 10 nodes: a 32-token budget is no different tree.
-    assert budget["chosen"] in (2, 4, 8) and set(budget["tokens_per_plain_step_by_size"]) == {2, 4, 8}
-    assert set(budget["verify_seconds_by_tokens"]) == {1, 2, 4, 8} and budget["positions"] > 0
+    assert budget["chosen"] in (2, 4, 8) and set(budget["expected_speedup_by_size"]) == {2, 4, 8}
+    assert set(budget["step_seconds_by_size"]) == {2, 4, 8} and budget["calibration_prompts"] == 2
     rows = {row["name"]: row for row in report["drafters"]}
     tree = rows["eagle_tree"]
     assert tree["settings"]["total_tokens"] == budget["chosen"] and tree["settings"]["fallback"] is True
@@ -133,7 +104,7 @@ def test_evaluate_with_auto_tree_size_and_fallback(each_kind, tmp_path):
         assert row["greedy_identical"] is True and 0.0 <= row["speculated_fraction"] <= 1.0
     assert rows.get("eagle_tree@4", {"settings": {"fallback": False}})["settings"]["fallback"] is False
     text = (tmp_path / "report.md").read_text()
-    assert f"| {budget['chosen']} (chosen) |" in text and "verification-cost curve" in text
+    assert f"| {budget['chosen']} (chosen) |" in text and "timing greedy runs of each size" in text
     with pytest.raises(ValueError, match="tree_total_tokens"):
         evaluate(target, [prompts(1)[0].tolist()], ["eagle_tree"], RuntimeConfig(tree_total_tokens="big"), head=head,
                  out_dir=tmp_path, progress=False)
@@ -142,8 +113,6 @@ def test_evaluate_with_auto_tree_size_and_fallback(each_kind, tmp_path):
 def test_verification_costs_never_fall_with_more_tokens(setup):
     # a noisy cheap reading at 8 tokens (seen on the shared CPU) must not make 8 look cheaper than 2
     assert monotone_costs({1: 1.0, 2: 1.32, 4: 1.39, 8: 1.24, 3: 1.38}) == {1: 1.0, 2: 1.32, 3: 1.38, 4: 1.39, 8: 1.39}
-    choice, _ = choose_tree_budget(monotone_costs({1: 1.0, 2: 1.3, 8: 1.1}), {2: 0.35, 8: 0.45}, {2: 0.1, 8: 0.3})
-    assert choice == 2  # with the raw readings 8 would win: 1.45 / 1.4 > 1.35 / 1.4
     _, lean, _ = setup
     costs = verify_costs(lean, torch.arange(3, 10), (1, 2, 4), repeats=2)
     assert list(costs) == [1, 2, 4] and costs[1] <= costs[2] <= costs[4]
@@ -159,4 +128,4 @@ def test_calibration_shows_progress_per_prompt(setup, monkeypatch):
     target, lean, head = setup
     runtime = RuntimeConfig(max_new_tokens=6, tree_top_k=2, tree_depth=2, tree_auto_sizes=[2, 4])
     eagle_tree_budget(head, lean, runtime, prompts(2), [], None, progress=True)
-    assert bars == [("calibration: greedy continuations", False), ("calibration: tree acceptance per size", False)]
+    assert bars == [("calibration: eagle tree sizes", False)]
