@@ -5,7 +5,7 @@ head forward over the new token, and the accept step's refresh of the head over 
 
     .venv/bin/python scripts/bench_draft_cost.py --head runs/kinds/eagle_smollm2_135m/export/native \
         --head runs/kinds/dflash_smollm2_135m/export/native [--prompts 4] [--tokens 48] [--threads 2] \
-        [--head-dtype float32 --head-dtype runtime] [--json FILE]
+        [--head-dtype float32 --head-dtype runtime] [--tree-tokens 6 --tree-tokens 12] [--json FILE]
 
 Each head runs its kind's chain drafter (`eagle_chain` at runtime.chain_depth, `peagle_chain`,
 `dflash_chain`), `peagle_tree` and `medusa` where the head is of that kind, with the fallback gate
@@ -32,7 +32,7 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-TREE_TOKENS = 8  # the EAGLE and P-EAGLE trees verify the same number of tokens (root included)
+TREE_TOKENS = 8  # default size of the EAGLE and P-EAGLE trees (root included); --tree-tokens adds sizes
 KIND_DRAFTERS = ("eagle_chain", "eagle_tree", "peagle_chain", "peagle_tree", "dflash_chain", "medusa")
 
 
@@ -48,6 +48,11 @@ def _mean_ms(values: list[float]) -> float:
 
 def _median_ms(values: list[float]) -> float:
     return 1000.0 * statistics.median(values) if values else 0.0
+
+
+def throughput(results) -> float:
+    """Decode tokens per second over the prompts (prefill excluded), as the eval stage counts them."""
+    return sum(max(len(r.tokens) - 1, 0) for r in results) / max(sum(r.decode_time for r in results), 1e-9)
 
 
 def summarize(results, reference, plain_ms: float) -> dict:
@@ -80,6 +85,8 @@ def main() -> None:
     parser.add_argument("--head-dtype", action="append", choices=["float32", "runtime"],
                         help="the heads' dtype: float32 (as trained), runtime (the target's); repeat to run both "
                              "(default float32)")
+    parser.add_argument("--tree-tokens", action="append", type=int,
+                        help=f"tree sizes (root included) for eagle_tree and peagle_tree; repeat (default {TREE_TOKENS})")
     parser.add_argument("--json", type=Path, help="write the figures here too")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -107,7 +114,8 @@ def main() -> None:
     eos = [target.tokenizer.eos_token_id]
     sampling = SamplingConfig(0.0)
     max_len = max(len(p) for p in prompts) + args.tokens + 80
-    lean, _, setup = prepare_target(target.model, runtime, sorted({*runtime_sizes(runtime, KIND_DRAFTERS), 16}),
+    lean, _, setup = prepare_target(target.model, runtime,
+                                    sorted({*runtime_sizes(runtime, KIND_DRAFTERS), 16, *(args.tree_tokens or [])}),
                                     prompts[0], max_len)
     plain_generate(lean, prompts[0][:8], 4, sampling, eos)  # first-call overheads
     entries = []  # (folder, head type, label, drafter)
@@ -119,7 +127,10 @@ def main() -> None:
         weights = next(head.parameters()).dtype
         suffix = "" if weights == torch.float32 else "/" + dtype_name(weights)
         names = [n for n in KIND_DRAFTERS if n in drafters_for(head)]
-        runs = [(runtime, n, f"{n}@{TREE_TOKENS}" if n == "eagle_tree" else n) for n in names]
+        sizes = args.tree_tokens or [TREE_TOKENS]
+        runs = [(runtime, n, n) for n in names if not n.endswith("_tree")]
+        runs += [(dataclasses.replace(runtime, tree_total_tokens=size, peagle_tree_tokens=size), n, f"{n}@{size}")
+                 for n in names if n.endswith("_tree") for size in sizes]
         if "eagle_chain" in names:
             runs.append((dataclasses.replace(runtime, chain_depth=1), "eagle_chain", "eagle_chain@1"))
         for settings, name, label in runs:
@@ -136,11 +147,11 @@ def main() -> None:
     plain_ms = 1000.0 * statistics.median(r.decode_time / max(len(r.tokens) - 1, 1) for r in plain)  # median prompt
     rows = []
     for (folder, head_type, label, drafter), done in zip(entries, results):
-        row = summarize(done, reference, plain_ms)
+        row = {**summarize(done, reference, plain_ms), "speedup": throughput(done) / throughput(plain)}
         rows.append({"head": str(folder), "head_type": head_type, "drafter": label, **row,
                      "followed_paths": getattr(drafter, "linear_paths", None)})
         print(f"{folder}  {label:14s} draft {row['draft_ms_per_step']:6.1f} ms  verify "
-              f"{row['verify_ms_per_step']:6.1f} ms  tau {row['tau']:.2f}  est {row['speedup_est']:.2f}x  tree {row['mean_tree_size']:.1f}  "
+              f"{row['verify_ms_per_step']:6.1f} ms  tau {row['tau']:.2f}  {row['speedup']:.2f}x (est {row['speedup_est']:.2f}x)  tree {row['mean_tree_size']:.1f}  "
               f"greedy identical {row['greedy_identical']}", flush=True)
     # the unit: the EAGLE-1/2 head's one-token chain with the heads in the same dtype
     units = {unit_key(r["drafter"]): r["draft_ms_per_step"] for r in rows
@@ -150,14 +161,15 @@ def main() -> None:
     lines = [f"Draft cost per speculative step, {len(prompts)} held-out prompts x {args.tokens} tokens, greedy, "
              f"{dtype}, linear paths {args.linear_paths}, {hardware}; median step of each drafter; plain decode step "
              f"{plain_ms:.1f} ms (median prompt).", "",
-             "| head | drafter | draft ms/step | in EAGLE head forwards | verify ms/step | tree size | τ | vs plain | greedy identical |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "| head | drafter | draft ms/step | in EAGLE head forwards | verify ms/step | tree size | τ | vs plain "
+             "(median step) | vs plain (tokens/s) | greedy identical |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for row in rows:
         own = units.get(unit_key(row["drafter"]))
         forwards = "–" if own is None else f"{row['draft_ms_per_step'] / own:.2f}"
         lines.append(f"| {row['head_type']} | {row['drafter']} | {row['draft_ms_per_step']:.1f} | {forwards} | "
                      f"{row['verify_ms_per_step']:.1f} | {row['mean_tree_size']:.1f} | {row['tau']:.2f} | "
-                     f"{row['speedup_est']:.2f}x | {row['greedy_identical']} |")
+                     f"{row['speedup_est']:.2f}x | {row['speedup']:.2f}x | {row['greedy_identical']} |")
     print("\n".join(lines))
     if args.json:
         args.json.write_text(json.dumps({"hardware": hardware, "dtype": dtype, "linear_paths": args.linear_paths,

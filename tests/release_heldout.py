@@ -41,6 +41,12 @@ RELEASES = {
     #   trainer.init_from=<that head> trainer.seed=2 trainer.schedule_clock=minutes trainer.max_minutes=60
     #   trainer.max_steps=100000 trainer.feature_memory_mb=14000
     "eagle3_smollm2_135m": ("release_heldout_eagle3.jsonl", ["data.max_records=8192"]),
+    # 60 minutes on the 8,192-prompt corpus started whole from the EAGLE-3 release head above, 2,201 steps on a
+    # Zen 4 EPYC (docs/results.md):
+    # python -m train +recipe=peagle_smollm2_135m_corpus data.max_records=8192 trainer.max_minutes=60
+    #   trainer.max_steps=30000
+    # The same corpus and split as the EAGLE-3 head's, so the same held-out file.
+    "peagle_smollm2_135m": ("release_heldout_eagle3.jsonl", ["data.max_records=8192"]),
 }
 
 
