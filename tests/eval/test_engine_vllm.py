@@ -1,6 +1,6 @@
 """The serving engine measures our shipped heads: vLLM's CPU build (its own venv, built by
-scripts/setup_vllm.sh, on first use here) runs the EAGLE-3 release head's `speculators` folder and
-the EAGLE-1/2 release head's `eagle_vllm` export exactly as written, greedy, K=3, on held-out
+scripts/setup_vllm.sh, on first use here) runs the EAGLE-3 and P-EAGLE release heads' `speculators`
+folders and the EAGLE-1/2 release head's `eagle_vllm` export exactly as written, greedy, K=3, on held-out
 prompts; its output equals its own plain greedy output, and its per-position acceptance equals our
 runtime's chain on the same prompts within eval.engine.TOLERANCE. A deliberately broken export (aux
 layer ids shifted) fails that comparison in the default run; the other broken cases (norm_before_residual
@@ -23,6 +23,7 @@ from eval.stage import run_engine_comparison
 RELEASE = Path(__file__).resolve().parents[2] / "heads" / "release"
 EAGLE3 = RELEASE / "eagle3_smollm2_135m"
 EAGLE = RELEASE / "eagle_smollm2_135m"
+PEAGLE = RELEASE / "peagle_smollm2_135m"
 BROKEN_PROMPTS = 4  # a broken export only has to show a difference
 
 
@@ -82,7 +83,7 @@ def _assert_agrees(head_report: dict) -> None:
         assert not broken["agreement"]["within_tolerance"], (name, broken)
 
 
-@pytest.mark.long(130)
+@pytest.mark.long(170)
 @pytest.mark.integration
 def test_vllm_accepts_what_our_runtime_accepts(tmp_path, smollm2):
     eagle_vllm = _eagle_vllm(smollm2, tmp_path)
@@ -93,12 +94,14 @@ def test_vllm_accepts_what_our_runtime_accepts(tmp_path, smollm2):
                                                          eagle_aux_hidden_state_layer_ids=[i + 1 for i in aux]),
                    BROKEN_PROMPTS)]),
         eagle_vllm,
+        PEAGLE,
     ]
-    (eagle3, eagle) = _engine_report(smollm2, heads, tmp_path)["heads"]
+    (eagle3, eagle, peagle) = _engine_report(smollm2, heads, tmp_path)["heads"]
     assert eagle3["engine_folder"] == str(speculators) and eagle["engine_folder"] == str(eagle_vllm)
-    assert (eagle3["method"], eagle["method"]) == ("eagle3", "eagle")
+    assert peagle["engine_folder"] == str(PEAGLE / "speculators_peagle")
+    assert (eagle3["method"], eagle["method"], peagle["method"]) == ("eagle3", "eagle", "peagle")
     assert set(eagle3["broken"]) == {"aux_layer_ids_shifted"}
-    for head_report in (eagle3, eagle):
+    for head_report in (eagle3, eagle, peagle):
         _assert_agrees(head_report)
 
 
