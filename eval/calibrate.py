@@ -116,14 +116,22 @@ def choose_size(speedup: Mapping[int, float]) -> int:
     return max(speedup, key=lambda n: (speedup[n], -n))
 
 
-def _budget_report(measured: dict, chosen: int) -> dict:
-    """Report fields of a size calibration (eval.report renders them)."""
+def _choose(lean: LeanLlama, candidates: Mapping[int, Callable[[], Drafter]], prompts, runtime: RuntimeConfig, eos,
+            what: str, progress: bool) -> tuple[int, dict]:
+    """`measure_sizes` over the candidates, the fastest size (`choose_size`), logged; returns (size,
+    report fields, which eval.report renders)."""
+    measured = measure_sizes(lean, candidates, prompts, runtime.max_new_tokens, eos, what, progress)
+    best = choose_size(measured["speedup"])
     plain = measured["plain_step_seconds"]
-    return {"chosen": chosen, "calibration_prompts": measured["calibration_prompts"],
-            "plain_step_seconds": plain, "step_seconds_by_size": measured["step_seconds"],
-            "step_cost_in_plain_steps": {n: s / plain for n, s in measured["step_seconds"].items()},
-            "expected_tau_by_size": measured["tau"], "steps_by_size": measured["steps"],
-            "expected_speedup_by_size": measured["speedup"]}
+    report = {"chosen": best, "calibration_prompts": measured["calibration_prompts"],
+              "plain_step_seconds": plain, "step_seconds_by_size": measured["step_seconds"],
+              "step_cost_in_plain_steps": {n: s / plain for n, s in measured["step_seconds"].items()},
+              "expected_tau_by_size": measured["tau"], "steps_by_size": measured["steps"],
+              "expected_speedup_by_size": measured["speedup"]}
+    log.info("%s auto: %d (expected tau %.2f, %.2fx plain on %d calibration prompts; step cost in plain steps %s)",
+             what, best, measured["tau"][best], measured["speedup"][best], measured["calibration_prompts"],
+             {n: round(c, 2) for n, c in report["step_cost_in_plain_steps"].items()})
+    return best, report
 
 
 def _candidate_sizes(runtime: RuntimeConfig, largest: int | None = None) -> list[int]:
@@ -145,10 +153,7 @@ def eagle_tree_budget(head, lean: LeanLlama, runtime: RuntimeConfig, prompts, eo
     budgets = _candidate_sizes(runtime, largest)
     candidates = {n: (lambda n=n: EagleDrafter(head, lean, mode="tree", depth=runtime.tree_depth, top_k=top_k,
                                                total_tokens=n, draft_vocab=draft_vocab)) for n in budgets}
-    measured = measure_sizes(lean, candidates, prompts, runtime.max_new_tokens, eos, "eagle tree sizes", progress)
-    best = choose_size(measured["speedup"])
-    _log_choice("eagle_tree total_tokens", best, measured)
-    return best, _budget_report(measured, best)
+    return _choose(lean, candidates, prompts, runtime, eos, "eagle tree sizes", progress)
 
 
 def peagle_tree_budget(head, lean: LeanLlama, runtime: RuntimeConfig, depth: int, prompts, eos,
@@ -157,16 +162,7 @@ def peagle_tree_budget(head, lean: LeanLlama, runtime: RuntimeConfig, depth: int
     `runtime.tree_auto_sizes` tokens on `depth` slots."""
     budgets = _candidate_sizes(runtime)
     candidates = {n: (lambda n=n: peagle_tree(head, lean, depth, n)) for n in budgets}
-    measured = measure_sizes(lean, candidates, prompts, runtime.max_new_tokens, eos, "peagle tree sizes", progress)
-    best = choose_size(measured["speedup"])
-    _log_choice("peagle_tree total_tokens", best, measured)
-    return best, _budget_report(measured, best)
-
-
-def _log_choice(what: str, best: int, measured: dict) -> None:
-    log.info("%s auto: %d (expected tau %.2f, %.2fx plain on %d calibration prompts; step cost in plain steps %s)",
-             what, best, measured["tau"][best], measured["speedup"][best], measured["calibration_prompts"],
-             {n: round(s / measured["plain_step_seconds"], 2) for n, s in measured["step_seconds"].items()})
+    return _choose(lean, candidates, prompts, runtime, eos, "peagle tree sizes", progress)
 
 
 def medusa_choices(heads: MedusaHeads, lean: LeanLlama, runtime: RuntimeConfig, prompts, eos, draft_vocab,
@@ -187,14 +183,7 @@ def medusa_choices(heads: MedusaHeads, lean: LeanLlama, runtime: RuntimeConfig, 
     accuracies = measure_rank_accuracies(probe, sequences, lengths, top=10)
     trees = {n: build_tree_from_accuracies(accuracies, n) for n in MEDUSA_AUTO_SIZES}
     candidates = {n: (lambda tree=tree: MedusaDrafter(heads, lean, tree, draft_vocab)) for n, tree in trees.items()}
-    measured = measure_sizes(lean, candidates, prompts, runtime.max_new_tokens, eos, "medusa trees", progress)
-    best = choose_size(measured["speedup"])
-    choices = trees[best]
-    log.info("medusa tree from measured rank accuracies and greedy runs of each size (%d calibration prompts that "
-             "are also measured): %d nodes, expected tau %.2f (the accuracies' product per position %.2f), %.2fx "
-             "plain (sizes tried: %s)", measured["calibration_prompts"], len(choices), measured["tau"][best],
-             1.0 + expected_acceptance(choices, accuracies), measured["speedup"][best],
-             {n: round(v, 2) for n, v in measured["speedup"].items()})
-    return choices, {"rank_accuracies": accuracies, **_budget_report(measured, best),
-                     "tau_over_every_position_by_size": {n: 1.0 + expected_acceptance(tree, accuracies)
-                                                         for n, tree in trees.items()}}
+    best, report = _choose(lean, candidates, prompts, runtime, eos, "medusa trees", progress)
+    return trees[best], {"rank_accuracies": accuracies, **report,
+                         "tau_over_every_position_by_size": {n: 1.0 + expected_acceptance(tree, accuracies)
+                                                             for n, tree in trees.items()}}

@@ -26,7 +26,8 @@ import time
 from pathlib import Path
 
 BEGIN, END = "<!-- results:begin -->", "<!-- results:end -->"
-HEAD_DRAFTERS = ("eagle", "peagle", "dflash", "medusa")  # drafters that run the trained head (the others: prompt lookup, draft models)
+# drafters that run the trained head (the others: prompt lookup, draft models)
+HEAD_DRAFTERS = ("eagle", "peagle", "dflash", "medusa")
 COLUMNS = ["recipe", "training steps", "held-out top-1 (first step / head)", "held-out τ est.",
            "best speculative method: τ, vs plain", "job minutes", "hardware (date)", "run folder"]
 
