@@ -26,6 +26,13 @@ def recommended_runtime(rows: list[dict], runtime: RuntimeConfig, extra: dict, w
         return RecommendedRuntime(top_k=runtime.tree_top_k, depth=runtime.tree_depth,
                                   total_tokens=best["settings"]["total_tokens"], chain_depth=runtime.chain_depth,
                                   measured=("total_tokens",) if chosen else (), measured_on=where)
+    peagle = [r for r in rows if r["name"] == "peagle_tree"]
+    if peagle:  # P-EAGLE: the tree's size over the head's K slots (one forward drafts them all; no top_k)
+        best = max(peagle, key=lambda r: r["tokens_per_second"])
+        chosen = best["settings"].get("total_tokens_auto", False)
+        return RecommendedRuntime(depth=best["settings"]["depth"], total_tokens=best["settings"]["total_tokens"],
+                                  chain_depth=runtime.chain_depth, measured=("total_tokens",) if chosen else (),
+                                  measured_on=where)
     if "medusa" in extra:
         return RecommendedRuntime(medusa_choices=extra["medusa"]["choices"],
                                   measured=("medusa_choices",) if runtime.medusa_choices == "auto" else (),

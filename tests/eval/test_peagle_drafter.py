@@ -256,3 +256,29 @@ def test_eval_chooses_the_tree_size_by_timing_runs():
     assert tree.total_tokens == budget["chosen"] and methods[1].settings["total_tokens_auto"] is True
     with pytest.raises(ValueError, match="peagle_tree_tokens"):
         check_runtime(RuntimeConfig(peagle_tree_tokens="big"))
+
+
+def test_the_chosen_tree_size_reaches_the_manifest():
+    """A P-EAGLE head's report recommends the tree size its auto calibration chose (labelled
+    measured, with the hardware), and the export manifest carries it with vLLM's K unchanged; a
+    fixed size is recommended as configured."""
+    from eval.config import RuntimeConfig
+    from eval.recommend import recommended_runtime as from_rows
+    from export.manifest import recommended_runtime as section
+
+    _, _, head = _random()
+    where = {"device_type": "cpu", "hardware": "CPU test, 2 threads"}
+    runtime = RuntimeConfig(drafters=["peagle_tree", "peagle_chain"], chain_depth=3)
+    rows = [{"name": "plain", "tokens_per_second": 10.0, "settings": {}},
+            {"name": "peagle_tree", "tokens_per_second": 14.0,
+             "settings": {"total_tokens_auto": True, "total_tokens": 6, "depth": 3}},
+            {"name": "peagle_chain", "tokens_per_second": 15.0, "settings": {"depth": 3}}]
+    record = from_rows(rows, runtime, {}, where)
+    manifest = section(head.config, record)
+    assert manifest["tree"]["total_tokens"] == 6 and manifest["tree"]["depth"] == 3
+    assert manifest["sources"]["total_tokens"] == "measured" and manifest["measured_on"] == where
+    assert manifest["sources"]["top_k"] == "default (not measured)"  # P-EAGLE trees have no top_k
+    assert manifest["vllm"]["num_speculative_tokens"] == head.config.speculative_tokens
+    rows[1]["settings"] = {"total_tokens": 8, "depth": 3}  # peagle_tree_tokens=8: configured, not timed
+    fixed = section(head.config, from_rows(rows, runtime, {}, where))
+    assert fixed["tree"]["total_tokens"] == 8 and fixed["source"] == "configured" and fixed["measured_on"] is None
