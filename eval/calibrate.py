@@ -73,10 +73,12 @@ def _bar(items, description: str, progress: bool):
 
 @torch.no_grad()
 def measure_sizes(lean: LeanLlama, candidates: Mapping[int, Callable[[], Drafter]], prompts, max_new_tokens: int,
-                  eos, description: str = "sizes", progress: bool = False) -> dict:
+                  eos, description: str = "sizes", progress: bool = False, plain_runs=None) -> dict:
     """Greedy generation on the first CALIBRATION_PROMPTS prompts: plain decoding, then each
     candidate drafter in turn on the same prompt (load drift hits all alike), each run as the
-    runtime runs it (`speculative_generate`, no gate).
+    runtime runs it (`speculative_generate`, no gate). plain_runs: the plain decoding of those
+    prompts when the caller has just run it (`plain_generate`'s results, in order), timed there
+    instead of again.
 
     Returns {"plain_step_seconds": decode seconds per plain step, "step_seconds": {size: seconds
     per speculative step, made non-decreasing in size (`monotone_costs`)}, "tau": {size: tokens
@@ -91,8 +93,11 @@ def measure_sizes(lean: LeanLlama, candidates: Mapping[int, Callable[[], Drafter
     committed = {size: 0 for size in candidates}
     steps = {size: 0 for size in candidates}
     chosen = list(prompts[:CALIBRATION_PROMPTS])
-    for prompt in _bar(chosen, description, progress):
-        plain = plain_generate(lean, prompt, max_new_tokens, SamplingConfig(), eos)
+    if plain_runs is not None and len(plain_runs) != len(chosen):
+        raise ValueError(f"plain_runs holds {len(plain_runs)} runs for {len(chosen)} calibration prompts")
+    for i, prompt in enumerate(_bar(chosen, description, progress)):
+        plain = plain_runs[i] if plain_runs is not None else plain_generate(lean, prompt, max_new_tokens,
+                                                                             SamplingConfig(), eos)
         plain_time += plain.decode_time
         plain_steps += max(len(plain.tokens) - 1, 0)
         for size, build in candidates.items():
@@ -117,10 +122,10 @@ def choose_size(speedup: Mapping[int, float]) -> int:
 
 
 def _choose(lean: LeanLlama, candidates: Mapping[int, Callable[[], Drafter]], prompts, runtime: RuntimeConfig, eos,
-            what: str, progress: bool) -> tuple[int, dict]:
+            what: str, progress: bool, plain_runs=None) -> tuple[int, dict]:
     """`measure_sizes` over the candidates, the fastest size (`choose_size`), logged; returns (size,
     report fields, which eval.report renders)."""
-    measured = measure_sizes(lean, candidates, prompts, runtime.max_new_tokens, eos, what, progress)
+    measured = measure_sizes(lean, candidates, prompts, runtime.max_new_tokens, eos, what, progress, plain_runs)
     best = choose_size(measured["speedup"])
     plain = measured["plain_step_seconds"]
     report = {"chosen": best, "calibration_prompts": measured["calibration_prompts"],
@@ -175,15 +180,16 @@ def medusa_choices(heads: MedusaHeads, lean: LeanLlama, runtime: RuntimeConfig, 
         return parse_choices(runtime.medusa_choices), {}
     chain = [(0,) * (k + 1) for k in range(heads.config.num_heads)]
     probe = MedusaDrafter(heads, lean, chain, draft_vocab)
-    sequences, lengths = [], []
+    sequences, lengths, plain_runs = [], [], []
     for prompt in _bar(prompts[:CALIBRATION_PROMPTS], "greedy continuations", progress):
-        tokens = plain_generate(lean, prompt, runtime.max_new_tokens, SamplingConfig(), eos).tokens
-        sequences.append(torch.cat([prompt, torch.tensor(tokens, dtype=torch.long)]))
+        plain_runs.append(plain_generate(lean, prompt, runtime.max_new_tokens, SamplingConfig(), eos))
+        sequences.append(torch.cat([prompt, torch.tensor(plain_runs[-1].tokens, dtype=torch.long)]))
         lengths.append(prompt.shape[0])
     accuracies = measure_rank_accuracies(probe, sequences, lengths, top=10)
     trees = {n: build_tree_from_accuracies(accuracies, n) for n in MEDUSA_AUTO_SIZES}
     candidates = {n: (lambda tree=tree: MedusaDrafter(heads, lean, tree, draft_vocab)) for n, tree in trees.items()}
-    best, report = _choose(lean, candidates, prompts, runtime, eos, "medusa trees", progress)
+    # the continuations' plain runs are also the timed baseline: plain decoding runs once
+    best, report = _choose(lean, candidates, prompts, runtime, eos, "medusa trees", progress, plain_runs)
     return trees[best], {"rank_accuracies": accuracies, **report,
                          "tau_over_every_position_by_size": {n: 1.0 + expected_acceptance(tree, accuracies)
                                                              for n, tree in trees.items()}}

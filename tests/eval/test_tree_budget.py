@@ -129,3 +129,22 @@ def test_calibration_shows_progress_per_prompt(setup, monkeypatch):
     runtime = RuntimeConfig(max_new_tokens=6, tree_top_k=2, tree_depth=2, tree_auto_sizes=[2, 4])
     eagle_tree_budget(head, lean, runtime, prompts(2), [], None, progress=True)
     assert bars == [("calibration: eagle tree sizes", False)]
+
+
+def test_medusa_calibration_decodes_each_prompt_plainly_once(setup, monkeypatch):
+    """The Medusa tree's calibration needs the prompts' greedy continuations; the same plain runs are
+    its timed baseline, so plain decoding runs once per calibration prompt. A count of runs that
+    does not match the prompts is refused."""
+    from eval.runtime.generate import plain_generate
+    from heads.medusa import MedusaConfig, MedusaHeads
+
+    target, lean, _ = setup
+    heads = MedusaHeads(MedusaConfig.from_target(target, num_heads=2, share_lm_head=True)).eval()
+    runs = []
+    monkeypatch.setattr(eval.calibrate, "plain_generate", lambda *a, **k: runs.append(1) or plain_generate(*a, **k))
+    runtime = RuntimeConfig(max_new_tokens=6, medusa_choices="auto")
+    choices, report = eval.calibrate.medusa_choices(heads, lean, runtime, prompts(5), [], None)
+    assert len(runs) == CALIBRATION_PROMPTS and report["calibration_prompts"] == CALIBRATION_PROMPTS
+    assert report["plain_step_seconds"] > 0 and len(choices) == report["chosen"]
+    with pytest.raises(ValueError, match="plain_runs holds 1 runs for 4"):
+        measure_sizes(lean, {2: lambda: None}, prompts(5), 6, [], plain_runs=runs[:1])
