@@ -35,14 +35,15 @@ RELEASES = {
     #   trainer.seed=2 trainer.schedule_clock=minutes trainer.max_minutes=60 trainer.max_steps=100000
     #   trainer.feature_memory_mb=14000
     "eagle_smollm2_135m": ("release_heldout.jsonl", ["data.max_records=8192"]),
-    # 60 minutes on the 8,192-prompt corpus from the previous release head (60 minutes on the first 4,096 from
-    # the ridge-fitted fc, 6,807 steps), with EAGLE-3.1's norm before fc (docs/results.md):
+    # 80 minutes on the 8,192-prompt corpus from the previous release head (60 minutes on the first 4,096 from
+    # the ridge-fitted fc, then 60 on the 8,192, seed 2), with EAGLE-3.1's norm before fc; 7,416 steps on a Zen 5
+    # EPYC, three epochs past the first on memoised features (docs/results.md):
     # python -m train +recipe=eagle3_smollm2_135m_corpus data.max_records=8192 heads.eagle3.norm_before_fc=true
-    #   trainer.init_from=<that head> trainer.seed=2 trainer.schedule_clock=minutes trainer.max_minutes=60
+    #   trainer.init_from=<that head> trainer.seed=3 trainer.schedule_clock=minutes trainer.max_minutes=80
     #   trainer.max_steps=100000 trainer.feature_memory_mb=14000
     "eagle3_smollm2_135m": ("release_heldout_eagle3.jsonl", ["data.max_records=8192"]),
-    # 60 minutes on the 8,192-prompt corpus started whole from the EAGLE-3 release head above, 2,201 steps on a
-    # Zen 4 EPYC (docs/results.md):
+    # 60 minutes on the 8,192-prompt corpus started whole from the EAGLE-3 release head of 2026-12-05 (the one
+    # before the head above, 2,396 steps on this corpus), 2,201 steps on a Zen 4 EPYC (docs/results.md):
     # python -m train +recipe=peagle_smollm2_135m_corpus data.max_records=8192 trainer.max_minutes=60
     #   trainer.max_steps=30000
     # The same corpus and split as the EAGLE-3 head's, so the same held-out file.
