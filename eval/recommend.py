@@ -19,18 +19,16 @@ def head_fields(config) -> dict:
 def recommended_runtime(rows: list[dict], runtime: RuntimeConfig, extra: dict, where: dict) -> RecommendedRuntime | None:
     """The settings eval ran with for the head's drafters, naming those chosen from this run's
     timings (the rest are configured) and the hardware that timed them; None without a head drafter."""
-    trees = [r for r in rows if r["name"].startswith("eagle_tree")]
-    if trees:
+    for family in ("eagle_tree", "peagle_tree"):
+        trees = [r for r in rows if r["name"].split("@")[0] == family]
+        if not trees:
+            continue
         best = max(trees, key=lambda r: r["tokens_per_second"])
         chosen = len(trees) > 1 or best["settings"].get("total_tokens_auto", False)
-        return RecommendedRuntime(top_k=runtime.tree_top_k, depth=runtime.tree_depth,
-                                  total_tokens=best["settings"]["total_tokens"], chain_depth=runtime.chain_depth,
-                                  measured=("total_tokens",) if chosen else (), measured_on=where)
-    peagle = [r for r in rows if r["name"] == "peagle_tree"]
-    if peagle:  # P-EAGLE: the tree's size over the head's K slots (one forward drafts them all; no top_k)
-        best = max(peagle, key=lambda r: r["tokens_per_second"])
-        chosen = best["settings"].get("total_tokens_auto", False)
-        return RecommendedRuntime(depth=best["settings"]["depth"], total_tokens=best["settings"]["total_tokens"],
+        # P-EAGLE's tree spans its slots (one forward drafts them all) and has no top_k
+        shape = ({"top_k": runtime.tree_top_k, "depth": runtime.tree_depth} if family == "eagle_tree"
+                 else {"depth": best["settings"]["depth"]})
+        return RecommendedRuntime(**shape, total_tokens=best["settings"]["total_tokens"],
                                   chain_depth=runtime.chain_depth, measured=("total_tokens",) if chosen else (),
                                   measured_on=where)
     if "medusa" in extra:

@@ -50,11 +50,6 @@ def _median_ms(values: list[float]) -> float:
     return 1000.0 * statistics.median(values) if values else 0.0
 
 
-def throughput(results) -> float:
-    """Decode tokens per second over the prompts (prefill excluded), as the eval stage counts them."""
-    return sum(max(len(r.tokens) - 1, 0) for r in results) / max(sum(r.decode_time for r in results), 1e-9)
-
-
 def summarize(results, reference, plain_ms: float) -> dict:
     """One drafter's results over the prompts: per speculative step its draft and verify time (the
     median step, which a burst of another tenant's load on a shared host does not move; the mean
@@ -96,7 +91,7 @@ def main() -> None:
     from data.config import DataConfig
     from eval.config import RuntimeConfig
     from eval.prepare import dtype_name, head_in_dtype, prepare_target, runtime_sizes
-    from eval.run import build_methods
+    from eval.run import build_methods, summarize as eval_summary
     from eval.runtime.drafters.kinds import drafters_for
     from eval.runtime.generate import plain_generate, speculative_generate
     from eval.runtime.sampling import SamplingConfig
@@ -145,9 +140,11 @@ def main() -> None:
             results[index].append(speculative_generate(lean, drafter, prompt, args.tokens, sampling, eos))
     reference = [r.tokens for r in plain]
     plain_ms = 1000.0 * statistics.median(r.decode_time / max(len(r.tokens) - 1, 1) for r in plain)  # median prompt
+    plain_rate = eval_summary(plain, None)["tokens_per_second"]
     rows = []
     for (folder, head_type, label, drafter), done in zip(entries, results):
-        row = {**summarize(done, reference, plain_ms), "speedup": throughput(done) / throughput(plain)}
+        row = {**summarize(done, reference, plain_ms),  # decode tokens/s against plain's, as the eval stage counts them
+               "speedup": eval_summary(done, None)["tokens_per_second"] / plain_rate}
         rows.append({"head": str(folder), "head_type": head_type, "drafter": label, **row,
                      "followed_paths": getattr(drafter, "linear_paths", None)})
         print(f"{folder}  {label:14s} draft {row['draft_ms_per_step']:6.1f} ms  verify "
