@@ -386,7 +386,9 @@ def _training_figures(summary: dict, trained: dict | None, scored: dict | None =
 
 def started_from(source: str | None) -> dict | None:
     """What a trainer.init_from head had behind it: its path, and the steps and recipe its
-    checkpoint state or export manifest records (None without init_from)."""
+    checkpoint state or export manifest records, with the sha256 of the weights an export's manifest
+    lists, so the record still names the start after a newer head is written to the same path
+    (None without init_from)."""
     if not source:
         return None
     from train.checkpoint import read_state
@@ -400,10 +402,14 @@ def started_from(source: str | None) -> dict | None:
     manifest = Path(source) / "specheads.json"
     if manifest.is_file():
         try:
-            training = json.loads(manifest.read_text()).get("training") or {}
+            listing = json.loads(manifest.read_text())
         except json.JSONDecodeError:
-            training = {}
+            listing = {}
+        training = listing.get("training") or {}
         out.update({key: training.get(key) for key in ("recipe", "steps", "started_from") if training.get(key)})
+        weights = (listing.get("files") or {}).get(listing.get("weights_file") or "") or {}
+        if weights.get("sha256"):
+            out["weights_sha256"] = weights["sha256"]
     return out
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -42,8 +43,9 @@ def test_job_runs_every_stage(tiny_chat_model, tmp_path):
                                f"trainer.init_from={summary['export']['eagle']}", "stages=[data,train]"))
     assert resumed["train"]["steps"] == 1
     # and the head it started from is on record: the export's manifest and its steps
+    listing = json.loads((Path(summary["export"]["eagle"]) / "specheads.json").read_text())
     assert resumed["train"]["started_from"] == {"path": summary["export"]["eagle"], "recipe": summary["recipe"],
-                                                "steps": 2}
+                                                "steps": 2, "weights_sha256": listing["files"][listing["weights_file"]]["sha256"]}
     assert summary["train"]["started_from"] is None
     # Its later stages, run with the same overrides, export the head it trained, not the one it started from.
     out = tmp_path / "y"
