@@ -56,10 +56,20 @@ def run_figures(run_dir: Path) -> dict | None:
         "steps": train.get("steps"), "stopped": train.get("stopped"),
         "top1": _first_top1(held_out), "tau_estimate": held_out.get("eval/acceptance_length"),
         **_methods([row for row in report.get("drafters", []) if not row.get("sweep")]),
-        # a re-run of later stages only (e.g. stages=[data,eval,export]) is not the job's time
-        "minutes": summary["wall_seconds"] / 60 if "wall_seconds" in summary and "train" in summary else None,
+        "minutes": _job_minutes(summary),
         "hardware": train.get("hardware") or summary.get("hardware"),
     }
+
+
+def _job_minutes(summary: dict) -> float | None:
+    """The end-to-end minutes of the job that trained the head (`job_seconds`). A later run of some
+    stages only (e.g. stages=[eval]) keeps that figure and writes its own wall_seconds beside it, so
+    wall_seconds is the job's time only in a summary written before `stages` was recorded."""
+    if summary.get("job_seconds") is not None:
+        return summary["job_seconds"] / 60
+    if "stages" not in summary and "wall_seconds" in summary and "train" in summary:
+        return summary["wall_seconds"] / 60
+    return None
 
 
 def release_figures(manifest_path: Path) -> dict | None:

@@ -161,7 +161,10 @@ def _run_stages(job: JobConfig) -> dict:
             lambda: _eval_and_export(job, target, checkpoint, run_dir, prepared, {**earlier, **summary}),
             what=" and ".join(stages)))
 
-    summary["wall_seconds"] = round(time.time() - started, 1)
+    summary["wall_seconds"] = round(time.time() - started, 1)  # this run's stages
+    summary["stages"] = list(job.stages)
+    if "train" in job.stages:  # the job that trained the head, end to end; a later eval-only run keeps it
+        summary["job_seconds"] = summary["wall_seconds"]
     if int(os.environ.get("RANK", "0")) == 0:
         _write_json(run_dir / "job_summary.json", {**earlier, **summary})
         print(_final_lines(summary))
@@ -351,13 +354,14 @@ def _latest_checkpoint(run_dir: Path) -> Path | None:
 
 
 def _earlier_summary(run_dir: Path) -> dict:
-    """The stages an earlier run of this job folder recorded (job_summary.json), or {}."""
+    """The stages an earlier run of this job folder recorded (job_summary.json), with the time of
+    the job that trained its head, or {}."""
     path = run_dir / "job_summary.json"
     try:
         values = json.loads(path.read_text()) if path.is_file() else {}
     except json.JSONDecodeError:
         return {}
-    return {key: values[key] for key in ("data", "train", "eval") if key in values}
+    return {key: values[key] for key in ("data", "train", "eval", "job_seconds") if key in values}
 
 
 def _eval_files(summary: dict) -> list[str]:

@@ -38,6 +38,9 @@ def test_job_runs_every_stage(tiny_chat_model, tmp_path):
     assert manifest["training"]["hardware"] == summary["train"]["hardware"] and manifest["training"]["data_source"]
     kept = json.loads((run / "job_summary.json").read_text())
     assert kept["train"] == summary["train"] and kept["export"] == again["export"]
+    # the export-only run's time is its own; the job's end-to-end time stays the training run's
+    assert kept["stages"] == ["export"] and kept["wall_seconds"] == again["wall_seconds"]
+    assert kept["job_seconds"] == summary["job_seconds"] == summary["wall_seconds"] and "job_seconds" not in again
     # Training can start from an engine-layout export (bf16 weights read back into a head).
     resumed = run_job(pipeline_job(tiny_chat_model, tmp_path, "again", 1,
                                f"trainer.init_from={summary['export']['eagle']}", "stages=[data,train]"))

@@ -57,6 +57,19 @@ def test_the_heads_own_drafter_is_shown_when_another_was_faster(tmp_path):
     assert "| prompt_lookup: 1.10, 1.20x (eagle_tree: 1.30, 1.10x) |" in render(last_runs([tmp_path]))
 
 
+def test_job_minutes_are_the_training_jobs_not_a_later_stage_runs(tmp_path):
+    folder = _job(tmp_path / "run", "eagle_smollm2_135m", 0.3, 1.3, when=1_000)
+    summary = json.loads((folder / "job_summary.json").read_text())
+    # the job trained and evaluated in 12 minutes; an eval-only run took 48 s afterwards
+    summary.update({"job_seconds": 720.0, "wall_seconds": 48.0, "stages": ["eval"]})
+    (folder / "job_summary.json").write_text(json.dumps(summary))
+    assert "| eagle_tree: 1.30, 1.10x | 12.0 |" in render(last_runs([tmp_path]))
+    # a summary that records its stages but no training run's time shows none
+    del summary["job_seconds"]
+    (folder / "job_summary.json").write_text(json.dumps(summary))
+    assert "| eagle_tree: 1.30, 1.10x | – |" in render(last_runs([tmp_path]))
+
+
 def test_only_the_marked_block_is_rewritten(tmp_path):
     text = f"# Title\n\nbefore\n{BEGIN}\n| stale | table |\n{END}\nafter\n"
     new = replace_block(text, "| fresh |\n")
