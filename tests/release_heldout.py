@@ -35,13 +35,14 @@ RELEASES = {
     #   trainer.seed=2 trainer.schedule_clock=minutes trainer.max_minutes=60 trainer.max_steps=100000
     #   trainer.feature_memory_mb=14000
     "eagle_smollm2_135m": ("release_heldout.jsonl", ["data.max_records=8192"]),
-    # 80 minutes on the 8,192-prompt corpus from the previous release head (60 minutes on the first 4,096 from
-    # the ridge-fitted fc, then 60 on the 8,192, seed 2), with EAGLE-3.1's norm before fc; 7,416 steps on a Zen 5
-    # EPYC, three epochs past the first on memoised features (docs/results.md):
-    # python -m train +recipe=eagle3_smollm2_135m_corpus data.max_records=8192 heads.eagle3.norm_before_fc=true
-    #   trainer.init_from=<that head> trainer.seed=3 trainer.schedule_clock=minutes trainer.max_minutes=80
-    #   trainer.max_steps=100000 trainer.feature_memory_mb=14000
-    "eagle3_smollm2_135m": ("release_heldout_eagle3.jsonl", ["data.max_records=8192"]),
+    # 80 minutes on the 12,288-prompt corpus at a peak rate of 1e-4 from the previous release head (60 minutes on
+    # the first 4,096 from the ridge-fitted fc, then 60 and 80 on the 8,192), with EAGLE-3.1's norm before fc;
+    # 6,493 steps on a Zen 5 EPYC, the first epoch online and the rest on memoised features (docs/results.md):
+    # python -m train +recipe=eagle3_smollm2_135m_corpus data.max_records=12288 heads.eagle3.norm_before_fc=true
+    #   trainer.init_from=<that head> trainer.seed=4 trainer.schedule_clock=minutes trainer.max_minutes=80
+    #   trainer.max_steps=100000 trainer.feature_memory_mb=14000 trainer.learning_rate=1e-4
+    # The corpus's first 64 held-out conversations are the 8,192-prompt corpus's: the split hashes each record.
+    "eagle3_smollm2_135m": ("release_heldout_eagle3.jsonl", ["data.max_records=12288"]),
     # 60 minutes on the 8,192-prompt corpus started whole from the EAGLE-3 release head of 2026-12-05 (the one
     # before the head above, 2,396 steps on this corpus), 2,201 steps on a Zen 4 EPYC (docs/results.md):
     # python -m train +recipe=peagle_smollm2_135m_corpus data.max_records=8192 trainer.max_minutes=60
