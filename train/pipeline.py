@@ -137,13 +137,16 @@ def _run_stages(job: JobConfig) -> dict:
     if "train" in job.stages:
         from train.loop import train_heads
 
+        # read before training: a newer head written to the init_from path while this one trains
+        # (a release head replaced by its successor) must not be recorded as this run's start
+        origin = started_from(job.trainer.init_from)
         result = train_heads(job, target, prepared, source=source)
         summary["train"] = {"steps": result.steps, "stopped": result.stopped, "best_eval": result.best_eval,
                             "hardware": hardware(), "recipe": job.recipe, "data_source": data_source,
                             "final_eval": result.final_eval, "target_dtype": summary.get("target_dtype"),
                             "mixed_precision": result.mixed_precision,
                             "best_checkpoint": str(result.best_checkpoint or result.last_checkpoint),
-                            "started_from": started_from(job.trainer.init_from)}
+                            "started_from": origin}
         checkpoint = result.best_checkpoint or result.last_checkpoint
         if int(os.environ.get("RANK", "0")) == 0:  # a later stage that fails keeps the training figures
             _write_json(run_dir / "job_summary.json", {**earlier, **summary})

@@ -214,3 +214,28 @@ def test_the_manifest_credits_eval_figures_to_the_machine_the_eval_ran_on():
     assert figures["hardware"] == "CPU X, 2 threads" and figures["eagle_tree"]["tau"] == 2.0
     del summary["eval"]["measured_on"]  # a report from before it recorded the machine
     assert _eval_figures(summary)["hardware"] == "CPU Y, 1 threads"
+
+
+def test_the_recorded_start_is_the_head_read_before_training(tiny_chat_model, tmp_path, monkeypatch):
+    """A newer head written to the init_from path while the run trains (a release head replaced
+    by its successor) is not the one this run started from."""
+    start = tmp_path / "release"
+    start.mkdir()
+    manifest = {"weights_file": "model.safetensors", "training": {"recipe": "r", "steps": 7},
+                "files": {"model.safetensors": {"sha256": "a" * 64}}}
+    (start / "specheads.json").write_text(json.dumps(manifest))
+
+    def training_while_the_start_is_replaced(job, target, prepared, source=None):
+        manifest["files"]["model.safetensors"]["sha256"] = "b" * 64
+        manifest["training"]["steps"] = 8
+        (start / "specheads.json").write_text(json.dumps(manifest))
+        from types import SimpleNamespace
+
+        return SimpleNamespace(steps=1, stopped="max_steps", best_eval=None, final_eval=None, mixed_precision="no",
+                               best_checkpoint=None, last_checkpoint=tmp_path / "ckpt")
+
+    monkeypatch.setattr("train.loop.train_heads", training_while_the_start_is_replaced)
+    summary = run_job(pipeline_job(tiny_chat_model, tmp_path, "run", 1, f"trainer.init_from={start}",
+                                   "stages=[data,train]"))
+    assert summary["train"]["started_from"] == {"path": str(start), "recipe": "r", "steps": 7,
+                                                "weights_sha256": "a" * 64}
