@@ -196,6 +196,19 @@ def training_estimate(manifest: dict, k: int) -> dict | None:
             "steps_known": len(survival), "source": "specheads.json training.held_out (top-1 per draft step)"}
 
 
+def opening_walk(manifest: dict, k: int) -> dict | None:
+    """Training's held-out chain walk over each reply's opening (train/heldout.py, OPENING_TOKENS),
+    where the head was scored at depth K: what an engine run of that many new tokens a prompt
+    should accept (None when the manifest has no such walk at this depth)."""
+    held_out = (manifest.get("training") or {}).get("held_out") or {}
+    for unit in ("step", "head"):
+        walked = [held_out.get(f"eval/opening_chain_accept_{unit}{i}") for i in range(k + 1)]
+        if all(a is not None for a in walked[:k]) and walked[k] is None:
+            return {"accepted_per_position": walked[:k], "mean_acceptance_length": 1 + sum(walked[:k]),
+                    "source": "specheads.json training.held_out (chain walk over reply openings)"}
+    return None
+
+
 def chain_drafter(head, lean, k: int):
     """Our runtime's chain at depth K, drafting as vLLM does (see the module docstring): argmax drafts
     at a temperature too (vLLM's default draft_sample_method), verified losslessly as one-hot drafts."""

@@ -13,7 +13,7 @@ from typing import Sequence
 
 from eval.config import RuntimeConfig
 from eval.engine import (ENGINES, TOLERANCE, EngineCase, EngineError, agreement, paired_difference, rates, run_ours,
-                         run_vllm, sampled_tolerance, training_estimate)
+                         opening_walk, run_vllm, sampled_tolerance, training_estimate)
 from eval.out_folder import claim
 from eval.timing import cpu_hardware
 
@@ -124,7 +124,9 @@ NOTES = [
     "accepted_per_position[i] = drafts whose position i+1 was accepted / drafts (speculative steps); "
     "mean acceptance length = 1 + accepted tokens / drafts.",
     "specheads chain drafts as the engine does: EAGLE-1/2 and Medusa over the full vocabulary, EAGLE-3 over d2t.",
-    "training estimate: position i accepted with the product of held-out top-1 of the draft steps up to it.",
+    "training estimate: position i accepted with the product of held-out top-1 of the draft steps up to it; "
+    "held-out walk, reply openings: training's greedy chain walk over each held-out reply's first tokens, "
+    "where the head was scored at depth K.",
     "tokens/s are end to end (prefill included), one request at a time; the engine runs in its own process.",
 ]
 
@@ -149,7 +151,8 @@ def _head_report(head: EngineHead, case: EngineCase, runs: dict, ours: dict, cha
     report = {
         "head": str(head.source), "head_type": manifest.get("head_type"), "engine_folder": str(folder),
         "method": head.method,
-        "rows": {"engine": engine_rates, "ours_chain": chain, "training_estimate": training_estimate(manifest, k)},
+        "rows": {"engine": engine_rates, "ours_chain": chain, "training_estimate": training_estimate(manifest, k),
+                 "opening_walk": opening_walk(manifest, k)},
         "agreement": agreement(chain, engine_rates, tolerance),
         "tokens": {"engine_speculative_vs_engine_plain": _identical(run["tokens"], engine_plain["tokens"]),
                    "ours_chain_vs_ours_plain": _identical(chain_run["tokens"], ours["plain"]["tokens"])},
@@ -203,6 +206,10 @@ def markdown(report: dict) -> str:
         if estimate:
             lines.append(f"| training estimate | – | {estimate['mean_acceptance_length']:.3f} | "
                          f"{_positions(estimate['accepted_per_position'])} | – | – |")
+        walk = rows.get("opening_walk")
+        if walk:
+            lines.append(f"| held-out walk, reply openings | – | {walk['mean_acceptance_length']:.3f} | "
+                         f"{_positions(walk['accepted_per_position'])} | – | – |")
         agree, tokens = head["agreement"], head["tokens"]["engine_speculative_vs_engine_plain"]
         lines += ["", f"Per-position difference vLLM vs specheads: {agree['max_abs_difference']:.4f} (tolerance "
                       f"{agree['tolerance']:.3f}: {'agree' if agree['within_tolerance'] else 'DISAGREE'}); vLLM's "

@@ -29,6 +29,12 @@ the one the runtime drafts there, and a step that accepts k drafts moves on to t
 verification commits them and the target's own token. Its per-position acceptance and mean
 length (`eval/chain_accept_step<j>`, `eval/chain_acceptance_length`) are what an engine's chain of
 the same depth reports on such replies.
+
+The same walk over each reply's first OPENING_TOKENS tokens only (`eval/opening_chain_*`) is what an
+engine benchmark of that many new tokens a prompt measures: a reply's opening, where it chooses
+how to start, is harder to draft than its body, and the whole-reply walk runs above such a
+benchmark (docs/results.md: 1.94 against vLLM's 1.80 for the SmolLM2 EAGLE-3 release head at K=3,
+the opening walk 1.79).
 """
 from __future__ import annotations
 
@@ -39,6 +45,9 @@ from torch import nn
 from train.eagle3_objective import row_index, split_features, ttt_unroll
 from train.losses import chain_attention_mask, eagle_position_mask, medusa_position_mask, shift_left, top1
 from train.objectives import FrozenParts
+
+
+OPENING_TOKENS = 64  # the reply length of the engine comparisons in docs/results.md
 
 
 def acceptance_estimate(accuracies: list[float], depth: int | None = None) -> float:
@@ -72,19 +81,32 @@ def walk_row(hits: torch.Tensor, counted: torch.Tensor) -> list[int]:
     return accepted
 
 
-def chain_walk(hits: torch.Tensor, counted: torch.Tensor, walks: list | None = None) -> torch.Tensor:
+def opening_mask(counted: torch.Tensor, width: int) -> torch.Tensor:
+    """counted (B, n) bool -> (B, n) bool: the first `width` positions of each run of counted
+    positions (each reply's first `width` tokens, the prefill's included)."""
+    total = counted.long().cumsum(-1)
+    before_run = torch.cummax(torch.where(counted, 0, total), -1).values  # count at the run's start
+    return counted & (total - before_run <= width)
+
+
+def chain_walk(hits: torch.Tensor, counted: torch.Tensor, walks: list | None = None,
+               opening: int | None = None) -> torch.Tensor:
     """hits (K, B, n) bool, counted (B, n) bool -> (K, 2) float: walk_row over every row, column 0
     the steps that accepted step j's draft, column 1 the steps (the same in every row). `walks`
-    collects each row's accepted counts per step."""
+    collects each row's accepted counts per step. `opening`: two more columns, the same walk over
+    each reply's first `opening` tokens only (a draft past them is not counted, as a run of that
+    many new tokens stops there)."""
     depth = hits.shape[0]
-    counts = torch.zeros(depth, 2)
-    for b in range(counted.shape[0]):
-        accepted = walk_row(hits[:, b], counted[b])
-        if walks is not None:
-            walks.append(accepted)
-        for k in accepted:
-            counts[:k, 0] += 1
-            counts[:, 1] += 1
+    counts = torch.zeros(depth, 2 if opening is None else 4)
+    masks = [counted] if opening is None else [counted, opening_mask(counted, opening)]
+    for column, mask in enumerate(masks):
+        for b in range(counted.shape[0]):
+            accepted = walk_row(hits[:, b], mask[b])
+            if walks is not None and column == 0:
+                walks.append(accepted)
+            for k in accepted:
+                counts[:k, 2 * column] += 1
+                counts[:, 2 * column + 1] += 1
     return counts
 
 
@@ -149,7 +171,7 @@ def eagle_greedy_grid(parts: FrozenParts, features: torch.Tensor, base_mask: tor
 @torch.no_grad()
 def eagle_eval_counts(head: nn.Module, parts: FrozenParts, batch: dict, features: torch.Tensor,
                       steps: int, truths: list | None = None, walks: list | None = None) -> torch.Tensor:
-    """(steps, 5) float counts of [top-1 hits, top-5 hits, positions] and chain_walk's two columns
+    """(steps, 7) float counts of [top-1 hits, top-5 hits, positions] and chain_walk's four columns
     for one batch. `truths`: a list kept by the caller between evaluations of the same batch (the
     target's greedy tokens); `walks`: as for chain_walk."""
     ids = batch["input_ids"]  # (B, T)
@@ -162,13 +184,13 @@ def eagle_eval_counts(head: nn.Module, parts: FrozenParts, batch: dict, features
         logits, truth = F.linear(predicted[valid], parts.lm_head_weight), shift_left(greedy, j)[valid]
         _count(counts, j, logits, truth)
         hits[j][valid] = top1(logits) == truth
-    return torch.cat([counts, chain_walk(hits, base_mask, walks).to(counts)], 1)
+    return torch.cat([counts, chain_walk(hits, base_mask, walks, OPENING_TOKENS).to(counts)], 1)
 
 
 @torch.no_grad()
 def eagle3_eval_counts(head: nn.Module, parts: FrozenParts, batch: dict, features: torch.Tensor,
                        steps: int, truths: list | None = None) -> torch.Tensor:
-    """(steps, 5) float counts of [top-1 hits, top-5 hits, positions] and chain_walk's columns for
+    """(steps, 7) float counts of [top-1 hits, top-5 hits, positions] and chain_walk's columns for
     one batch; features (B, T, (n+1)·Ht) as train/eagle3_objective.feature_layers orders them
     (`truths`: as for EAGLE; it keeps one tensor, the target's greedy tokens at every counted
     position)."""
@@ -188,7 +210,7 @@ def eagle3_eval_counts(head: nn.Module, parts: FrozenParts, batch: dict, feature
         counts[j] += torch.stack([(top[:, 0] == truth).sum(), (top == truth[:, None]).any(-1).sum(),
                                   torch.tensor(truth.shape[0], device=ids.device)]).to(counts)
         hits[j][rows.expand_as(chains)[valid], chains[valid]] = top[:, 0] == truth
-    return torch.cat([counts, chain_walk(hits, base_mask).to(counts)], 1)
+    return torch.cat([counts, chain_walk(hits, base_mask, opening=OPENING_TOKENS).to(counts)], 1)
 
 
 def _ahead(features: torch.Tensor, k: int) -> torch.Tensor:
@@ -202,7 +224,7 @@ def _ahead(features: torch.Tensor, k: int) -> torch.Tensor:
 @torch.no_grad()
 def medusa_eval_counts(heads: nn.Module, parts: FrozenParts, batch: dict, features: torch.Tensor,
                        truths: list | None = None) -> torch.Tensor:
-    """(K, 5) float counts of [top-1 hits, top-5 hits, positions] and chain_walk's columns (the
+    """(K, 7) float counts of [top-1 hits, top-5 hits, positions] and chain_walk's columns (the
     chain of each head's top-1) for one batch (`truths`: as for EAGLE)."""
     module = getattr(heads, "module", heads)
     hidden = heads(features)  # (K, B, T, D)
@@ -216,14 +238,14 @@ def medusa_eval_counts(heads: nn.Module, parts: FrozenParts, batch: dict, featur
         _count(counts, k, logits, truth)
         hits[k][valid] = top1(logits) == truth
     counted = medusa_position_mask(batch["loss_mask"], 0, batch["attention_mask"])  # head k at t: x_{t+2+k}
-    return torch.cat([counts, chain_walk(hits, counted).to(counts)], 1)
+    return torch.cat([counts, chain_walk(hits, counted, opening=OPENING_TOKENS).to(counts)], 1)
 
 
 def held_out_figures(counts: torch.Tensor, unit: str) -> dict[str, float]:
-    """(S, 3) or (S, 5) summed counts -> {eval/top1_<unit><i>, eval/top5_<unit><i>, eval/positions,
+    """(S, 3), (S, 5) or (S, 7) summed counts -> {eval/top1_<unit><i>, eval/top5_<unit><i>, eval/positions,
     eval/acceptance_length}; unit: "step" (drafted chain depth) or "head" (Medusa head). Columns 3-4,
     where a kind counts them (chain_walk), add eval/chain_accept_<unit><i>, eval/chain_steps and
-    eval/chain_acceptance_length."""
+    eval/chain_acceptance_length; columns 5-6 the same over reply openings (eval/opening_chain_*)."""
     top1 = (counts[:, 0] / counts[:, 2].clamp(min=1)).tolist()
     top5 = (counts[:, 1] / counts[:, 2].clamp(min=1)).tolist()
     metrics = {"eval/positions": float(counts[0, 2])}
@@ -237,21 +259,26 @@ def held_out_figures(counts: torch.Tensor, unit: str) -> dict[str, float]:
             metrics[f"eval/chain_accept_{unit}{i}"] = a
         metrics["eval/chain_steps"] = float(counts[0, 4])
         metrics["eval/chain_acceptance_length"] = 1.0 + sum(walked)
+    if counts.shape[1] >= 7 and counts[0, 6] > 0:
+        walked = (counts[:, 5] / counts[0, 6]).tolist()
+        for i, a in enumerate(walked):
+            metrics[f"eval/opening_chain_accept_{unit}{i}"] = a
+        metrics["eval/opening_chain_acceptance_length"] = 1.0 + sum(walked)
     return metrics
 
 
 @torch.no_grad()
 def run_held_out(head: nn.Module, kind, parts: FrozenParts, source, batches, reduce=None,
              cache: dict | None = None) -> dict[str, float]:
-    """Sum the head kind's counts (`kind.eval_counts`, (kind.eval_rows, 3 or 5)) over `batches` (this
+    """Sum the head kind's counts (`kind.eval_counts`, (kind.eval_rows, 3, 5 or 7)) over `batches` (this
     process's share, maybe empty), `reduce(counts)` sums them across processes (None: one
     process), and held_out_figures. `cache`: a dict kept between evaluations of the same batches (the
     target's greedy tokens per batch)."""
-    counts = torch.zeros(kind.eval_rows, 5, device=parts.lm_head_weight.device)
+    counts = torch.zeros(kind.eval_rows, 7, device=parts.lm_head_weight.device)
     for index, batch in enumerate(batches):
         features = source(batch)
         truths = cache.setdefault(index, []) if cache is not None else None
-        c = kind.eval_counts(head, parts, batch, features, truths)  # (rows, 3), or (rows, 5) with the walk
+        c = kind.eval_counts(head, parts, batch, features, truths)  # (rows, 3), or (rows, 7) with the walks
         counts[: c.shape[0], : c.shape[1]] += c
     if reduce is not None:
         counts = reduce(counts)

@@ -12,7 +12,7 @@ import torch
 
 from eval.config import RuntimeConfig
 from eval.engine import (TOLERANCE, EngineError, agreement, rates, run_ours, run_vllm, sampled_tolerance,
-                         step_counters, training_estimate)
+                         step_counters, training_estimate, opening_walk)
 from eval.stage import engine_heads
 from export import export_head
 from tests.export.conftest import make_eagle, make_medusa
@@ -38,6 +38,16 @@ def test_training_estimate_multiplies_the_top1_rates():
     assert estimate["mean_acceptance_length"] == pytest.approx(1.8)
     assert training_estimate(manifest, k=5)["steps_known"] == 3
     assert training_estimate({}, k=3) is None
+
+
+def test_the_opening_walk_is_read_only_at_the_engines_depth():
+    walked = {"eval/opening_chain_accept_step0": 0.5, "eval/opening_chain_accept_step1": 0.25,
+              "eval/opening_chain_accept_step2": 0.125}
+    walk = opening_walk({"training": {"held_out": walked}}, k=3)
+    assert walk["accepted_per_position"] == [0.5, 0.25, 0.125] and walk["mean_acceptance_length"] == 1.875
+    assert opening_walk({"training": {"held_out": walked}}, k=2) is None  # a depth-3 walk is not a K=2 run's
+    assert opening_walk({"training": {"held_out": walked}}, k=4) is None
+    assert opening_walk({}, k=3) is None
 
 
 def test_agreement_flags_a_difference_beyond_the_tolerance():

@@ -5,7 +5,7 @@ from torch import nn
 
 from heads.eagle import EagleConfig, EagleHead
 from heads.medusa import MedusaConfig, MedusaHeads
-from train.heldout import (acceptance_estimate, chain_walk, eagle_eval_counts, eagle_greedy_grid, eagle_unroll,
+from train.heldout import (acceptance_estimate, chain_walk, opening_mask, eagle_eval_counts, eagle_greedy_grid, eagle_unroll,
                            held_out_figures, medusa_eval_counts, walk_row)
 from train.losses import eagle_position_mask, shift_left
 from train.objectives import FrozenParts, OnlineFeatures
@@ -78,6 +78,27 @@ def test_walk_row_by_hand():
     assert counts.tolist() == [[6.0, 8.0], [4.0, 8.0], [0.0, 8.0]]
 
 
+def test_opening_mask_keeps_each_replys_first_tokens():
+    counted = torch.tensor([[0, 1, 1, 1, 1, 0, 0, 1, 1, 0, 1],
+                            [1, 1, 0, 1, 1, 1, 1, 1, 0, 0, 0]], dtype=torch.bool)
+    assert opening_mask(counted, 2).int().tolist() == [[0, 1, 1, 0, 0, 0, 0, 1, 1, 0, 1],
+                                                       [1, 1, 0, 1, 1, 0, 0, 0, 0, 0, 0]]
+    assert torch.equal(opening_mask(counted, 100), counted)
+
+
+def test_the_opening_walk_stops_at_the_openings_end():
+    """The walk over each reply's first 3 tokens: a draft past them is not accepted (a run of 3
+    new tokens ends there), and the second reply's opening is walked too."""
+    counted = torch.tensor([0, 1, 1, 1, 1, 1, 1, 0, 1, 1, 1, 1], dtype=torch.bool)
+    hits = torch.zeros(3, 12, dtype=torch.bool)
+    hits[0, 2] = hits[1, 2] = hits[2, 2] = True  # t=2 would accept 3 in the whole reply; 2 in its opening
+    hits[0, 9] = True  # t=9 accepts 1, then its second draft misses
+    both = chain_walk(torch.stack([hits, hits], 1), torch.stack([counted, counted]), opening=3)
+    assert both[:, :2].tolist() == chain_walk(torch.stack([hits, hits], 1), torch.stack([counted, counted])).tolist()
+    assert both[:, 2:].tolist() == [[4.0, 4.0], [2.0, 4.0], [0.0, 4.0]]
+    assert held_out_figures(torch.cat([torch.ones(3, 3), both], 1), "step")["eval/opening_chain_acceptance_length"] == 2.5
+
+
 def test_the_walk_is_the_runtime_chains_acceptance(target):
     """Replayed on the target's own greedy reply, the walk accepts at every step what the runtime's
     greedy chain of the same depth accepts there (every step whose drafts lie inside the reply)."""
@@ -135,7 +156,7 @@ def test_medusa_counts_shapes(target):
     features = OnlineFeatures(target)(batch)
     heads = MedusaHeads(MedusaConfig.from_target(target, num_heads=3))
     counts = medusa_eval_counts(heads, FrozenParts.from_target(target), batch, features)
-    assert counts.shape == (3, 5)
+    assert counts.shape == (3, 7)
     assert counts[:, 2].tolist() == [18.0, 18.0, 16.0]
     assert (counts[:, 0] <= counts[:, 1]).all()
 
