@@ -19,8 +19,9 @@ Panels, and the run that logs each key:
 - Training (train runs, every trainer.log_every steps): train/loss; train/tokens_per_s.
 - Held-out (train runs, every trainer.eval_every steps): eval/top1_step<j> (EAGLE, EAGLE-3) or
   eval/top1_head<k> (Medusa) per draft step; the acceptance-length estimate eval/acceptance_length;
-  the chain walk's eval/chain_accept_<step|head><j> and eval/chain_acceptance_length
-  against steps and against eval/wall_minutes.
+  the chain walk's eval/chain_accept_<step|head><j> and eval/chain_acceptance_length, and its
+  mean over reply openings eval/opening_chain_acceptance_length, against steps and against
+  eval/wall_minutes.
 - Speculative decoding (eval runs: the job's eval stage and `python -m eval` with a W&B logger):
   the table eval/table (τ, speedup vs plain and vs transformers' generate, per drafter) and the
   plots eval/acceptance_per_depth and eval/speedup_vs_tree_size.
@@ -65,6 +66,8 @@ SECTIONS = (
               x="eval/wall_minutes"),
         Panel("line", "chain walk: accepted per drafted position", regex=r"^eval/chain_accept_(step|head)\d+$"),
         Panel("line", "chain walk: mean acceptance length", ("eval/chain_acceptance_length",)),
+        Panel("line", "chain walk over reply openings (an engine run's stretch): mean acceptance length",
+              ("eval/opening_chain_acceptance_length",)),
     )),
     Section("Speculative decoding", (
         Panel("table", "eval: τ and speedup per drafter", ("eval/table",)),
