@@ -205,6 +205,7 @@ def opening_walk(manifest: dict, k: int) -> dict | None:
         walked = [held_out.get(f"eval/opening_chain_accept_{unit}{i}") for i in range(k + 1)]
         if all(a is not None for a in walked[:k]) and walked[k] is None:
             return {"accepted_per_position": walked[:k], "mean_acceptance_length": 1 + sum(walked[:k]),
+                    "reply_tokens": held_out.get("eval/opening_tokens"),
                     "source": "specheads.json training.held_out (chain walk over reply openings)"}
     return None
 

@@ -125,8 +125,8 @@ NOTES = [
     "mean acceptance length = 1 + accepted tokens / drafts.",
     "specheads chain drafts as the engine does: EAGLE-1/2 and Medusa over the full vocabulary, EAGLE-3 over d2t.",
     "training estimate: position i accepted with the product of held-out top-1 of the draft steps up to it; "
-    "held-out walk, reply openings: training's greedy chain walk over each held-out reply's first tokens, "
-    "where the head was scored at depth K.",
+    "held-out walk, first n reply tokens: training's greedy chain walk over each held-out reply's first n "
+    "tokens, where the head was scored at depth K; compare it with a run of n new tokens a prompt.",
     "tokens/s are end to end (prefill included), one request at a time; the engine runs in its own process.",
 ]
 
@@ -208,7 +208,8 @@ def markdown(report: dict) -> str:
                          f"{_positions(estimate['accepted_per_position'])} | – | – |")
         walk = rows.get("opening_walk")
         if walk:
-            lines.append(f"| held-out walk, reply openings | – | {walk['mean_acceptance_length']:.3f} | "
+            width = f"first {walk['reply_tokens']:.0f} reply tokens" if walk.get("reply_tokens") else "reply openings"
+            lines.append(f"| held-out walk, {width} | – | {walk['mean_acceptance_length']:.3f} | "
                          f"{_positions(walk['accepted_per_position'])} | – | – |")
         agree, tokens = head["agreement"], head["tokens"]["engine_speculative_vs_engine_plain"]
         lines += ["", f"Per-position difference vLLM vs specheads: {agree['max_abs_difference']:.4f} (tolerance "

@@ -264,6 +264,7 @@ def held_out_figures(counts: torch.Tensor, unit: str) -> dict[str, float]:
         for i, a in enumerate(walked):
             metrics[f"eval/opening_chain_accept_{unit}{i}"] = a
         metrics["eval/opening_chain_acceptance_length"] = 1.0 + sum(walked)
+        metrics["eval/opening_tokens"] = float(OPENING_TOKENS)  # on record beside the walk it sizes
     return metrics
 
 

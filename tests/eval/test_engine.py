@@ -42,9 +42,10 @@ def test_training_estimate_multiplies_the_top1_rates():
 
 def test_the_opening_walk_is_read_only_at_the_engines_depth():
     walked = {"eval/opening_chain_accept_step0": 0.5, "eval/opening_chain_accept_step1": 0.25,
-              "eval/opening_chain_accept_step2": 0.125}
+              "eval/opening_chain_accept_step2": 0.125, "eval/opening_tokens": 64.0}
     walk = opening_walk({"training": {"held_out": walked}}, k=3)
     assert walk["accepted_per_position"] == [0.5, 0.25, 0.125] and walk["mean_acceptance_length"] == 1.875
+    assert walk["reply_tokens"] == 64.0
     assert opening_walk({"training": {"held_out": walked}}, k=2) is None  # a depth-3 walk is not a K=2 run's
     assert opening_walk({"training": {"held_out": walked}}, k=4) is None
     assert opening_walk({}, k=3) is None

@@ -5,7 +5,7 @@ from torch import nn
 
 from heads.eagle import EagleConfig, EagleHead
 from heads.medusa import MedusaConfig, MedusaHeads
-from train.heldout import (acceptance_estimate, chain_walk, opening_mask, eagle_eval_counts, eagle_greedy_grid, eagle_unroll,
+from train.heldout import (OPENING_TOKENS, acceptance_estimate, chain_walk, opening_mask, eagle_eval_counts, eagle_greedy_grid, eagle_unroll,
                            held_out_figures, medusa_eval_counts, walk_row)
 from train.losses import eagle_position_mask, shift_left
 from train.objectives import FrozenParts, OnlineFeatures
@@ -96,7 +96,8 @@ def test_the_opening_walk_stops_at_the_openings_end():
     both = chain_walk(torch.stack([hits, hits], 1), torch.stack([counted, counted]), opening=3)
     assert both[:, :2].tolist() == chain_walk(torch.stack([hits, hits], 1), torch.stack([counted, counted])).tolist()
     assert both[:, 2:].tolist() == [[4.0, 4.0], [2.0, 4.0], [0.0, 4.0]]
-    assert held_out_figures(torch.cat([torch.ones(3, 3), both], 1), "step")["eval/opening_chain_acceptance_length"] == 2.5
+    figures = held_out_figures(torch.cat([torch.ones(3, 3), both], 1), "step")
+    assert figures["eval/opening_chain_acceptance_length"] == 2.5 and figures["eval/opening_tokens"] == OPENING_TOKENS
 
 
 def test_the_walk_is_the_runtime_chains_acceptance(target):
