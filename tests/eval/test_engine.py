@@ -129,8 +129,10 @@ def test_the_report_puts_the_engine_beside_our_chain_per_category(tmp_path, monk
     monkeypatch.setattr(engine_eval, "run_ours", lambda *a, **k: seen.setdefault("ours", real_ours(*a, **k)))
     monkeypatch.setattr(engine_eval, "run_vllm", engine)
     manifest = {"training": {"held_out": {"eval/top1_step0": 0.5}}}
+    walked = {"training": {"held_out": {"eval/top1_step0": 0.5, "eval/opening_tokens": 64.0,
+                                        **{f"eval/opening_chain_accept_step{j}": 0.25 for j in range(3)}}}}
     heads = [EngineHead(tmp_path / "head", head, manifest, tmp_path / "engine", "eagle"),
-             EngineHead(tmp_path / "other", head, manifest, tmp_path / "engine", "eagle")]
+             EngineHead(tmp_path / "other", head, walked, tmp_path / "engine", "eagle")]
     report = measure_engine(target, heads, prompts, RuntimeConfig(max_new_tokens=12), tmp_path / "out", k=3,
                             transformers=False)
     assert seen["cases"] == [{"name": f"head{i}", "method": "eagle", "model": str((tmp_path / "engine").resolve()),
@@ -151,6 +153,9 @@ def test_the_report_puts_the_engine_beside_our_chain_per_category(tmp_path, monk
     assert chat["engine"]["accepted_per_position"] == [0.0, 0.0, 0.0]
     markdown = (tmp_path / "out" / "report.md").read_text()
     assert "| code | 2 |" in markdown and "specheads chain" in markdown and f"| {tmp_path / 'other'} | " in markdown
+    # the head scored at the engine's K shows its opening walk; the other has none
+    assert row["rows"]["opening_walk"] is None and other["rows"]["opening_walk"]["mean_acceptance_length"] == 1.75
+    assert markdown.count("| held-out walk, first 64 reply tokens | – | 1.750 | 0.250 / 0.250 / 0.250 | – | – |") == 1
     assert json.loads((tmp_path / "out" / "report.json").read_text())["k"] == 3
 
 
