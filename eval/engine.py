@@ -201,13 +201,13 @@ def opening_walk(manifest: dict, k: int) -> dict | None:
     where the head was scored at depth K: what an engine run of that many new tokens a prompt
     should accept (None when the manifest has no such walk at this depth)."""
     held_out = (manifest.get("training") or {}).get("held_out") or {}
-    for unit in ("step", "head"):
-        walked = [held_out.get(f"eval/opening_chain_accept_{unit}{i}") for i in range(k + 1)]
-        if all(a is not None for a in walked[:k]) and walked[k] is None:
-            return {"accepted_per_position": walked[:k], "mean_acceptance_length": 1 + sum(walked[:k]),
-                    "reply_tokens": held_out.get("eval/opening_tokens"),
-                    "source": "specheads.json training.held_out (chain walk over reply openings)"}
-    return None
+    unit = "head" if "eval/opening_chain_accept_head0" in held_out else "step"  # as training_estimate
+    walked = [held_out.get(f"eval/opening_chain_accept_{unit}{i}") for i in range(k + 1)]
+    if any(a is None for a in walked[:k]) or walked[k] is not None:
+        return None
+    return {"accepted_per_position": walked[:k], "mean_acceptance_length": 1 + sum(walked[:k]),
+            "reply_tokens": held_out["eval/opening_tokens"],  # written with the walk (held_out_figures)
+            "source": "specheads.json training.held_out (chain walk over reply openings)"}
 
 
 def chain_drafter(head, lean, k: int):

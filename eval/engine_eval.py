@@ -208,8 +208,8 @@ def markdown(report: dict) -> str:
                          f"{_positions(estimate['accepted_per_position'])} | – | – |")
         walk = rows.get("opening_walk")
         if walk:
-            width = f"first {walk['reply_tokens']:.0f} reply tokens" if walk.get("reply_tokens") else "reply openings"
-            lines.append(f"| held-out walk, {width} | – | {walk['mean_acceptance_length']:.3f} | "
+            lines.append(f"| held-out walk, first {walk['reply_tokens']:.0f} reply tokens | – | "
+                         f"{walk['mean_acceptance_length']:.3f} | "
                          f"{_positions(walk['accepted_per_position'])} | – | – |")
         agree, tokens = head["agreement"], head["tokens"]["engine_speculative_vs_engine_plain"]
         lines += ["", f"Per-position difference vLLM vs specheads: {agree['max_abs_difference']:.4f} (tolerance "

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from eval.config import RuntimeConfig
-from eval.engine import (TOLERANCE, EngineError, agreement, rates, run_ours, run_vllm, sampled_tolerance,
-                         step_counters, training_estimate, opening_walk)
+from eval.engine import (TOLERANCE, EngineError, agreement, opening_walk, rates, run_ours, run_vllm,
+                         sampled_tolerance, step_counters, training_estimate)
 from eval.stage import engine_heads
 from export import export_head
 from tests.export.conftest import make_eagle, make_medusa

@@ -5,8 +5,8 @@ from torch import nn
 
 from heads.eagle import EagleConfig, EagleHead
 from heads.medusa import MedusaConfig, MedusaHeads
-from train.heldout import (OPENING_TOKENS, acceptance_estimate, chain_walk, opening_mask, eagle_eval_counts, eagle_greedy_grid, eagle_unroll,
-                           held_out_figures, medusa_eval_counts, walk_row)
+from train.heldout import (OPENING_TOKENS, acceptance_estimate, chain_walk, eagle_eval_counts, eagle_greedy_grid,
+                           eagle_unroll, held_out_figures, medusa_eval_counts, opening_mask, walk_row)
 from train.losses import eagle_position_mask, shift_left
 from train.objectives import FrozenParts, OnlineFeatures
 from tests.tiny import tiny_target
