@@ -215,6 +215,30 @@ def set_draft_vocab(head: Eagle3Head, ids: torch.Tensor) -> Eagle3Head:
 
 
 @torch.no_grad()
+def resize_draft_vocab(head: Eagle3Head, ids: torch.Tensor, target) -> tuple[int, int]:
+    """Give a trained head the draft vocabulary `ids` (sorted target ids, any count): the lm_head
+    rows of ids it already drafts are kept, the others start as the target's lm_head rows, as a
+    fresh head's do (init_from_target). The config's draft_vocab_size follows. Returns (rows kept,
+    rows new)."""
+    old = head.draft_ids().cpu()
+    ids = ids.to(torch.long).cpu()
+    d2t, t2d = vocab_maps(ids, head.config.vocab_size)  # checks the ids before anything changes
+    old_row = torch.full((head.config.vocab_size,), -1, dtype=torch.long)
+    old_row[old] = torch.arange(old.numel())
+    rows = old_row[ids]  # (Vd_new,) the old row of each id, -1 where new
+    kept = rows >= 0
+    weight = head.lm_head.weight
+    fresh = target.lm_head.weight[ids.to(target.lm_head.weight.device)].to(weight)  # (Vd_new, D)
+    fresh[kept.to(weight.device)] = weight[rows[kept].to(weight.device)]
+    head.lm_head = nn.Linear(weight.shape[1], ids.numel(), bias=False, device=weight.device, dtype=weight.dtype)
+    head.lm_head.weight.copy_(fresh)
+    head.d2t = d2t.to(head.d2t.device)  # buffers of a new length (registered names, so still buffers)
+    head.t2d = t2d.to(head.t2d.device)
+    head.config.draft_vocab_size = ids.numel()
+    return int(kept.sum()), int((~kept).sum())
+
+
+@torch.no_grad()
 def init_from_target(head: Eagle3Head, target, ids: torch.Tensor | None = None) -> Eagle3Head:
     """Set the draft vocabulary (`ids`, sorted target ids; None keeps the current maps), then copy
     the target's lm_head rows of those ids and its final norm, so the draft starts scoring like the

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from heads.eagle3 import Eagle3Head, resize_draft_vocab
 from heads.io import head_type, read_head_meta
 from heads.vocab import draft_ids, set_draft_vocab
 from train.config import SCHEDULES
@@ -89,7 +90,9 @@ def build_head_for_job(job, target, kind: HeadKind | None = None, vocab: torch.T
     `export.load_export` in float32; a head of another kind where the job's kind can `adopt` it),
     else fresh: the head kind's build, initialised from the
     target, around the draft vocabulary `vocab` (sorted ids; None: the full vocabulary). A loaded
-    head keeps its own vocabulary; one without gets `vocab`."""
+    head keeps its own vocabulary, except an EAGLE-3 or P-EAGLE head whose size differs from
+    `vocab`'s (heads.draft_vocab_size asked for another): it is resized around `vocab`; a head
+    without one gets `vocab`."""
     kind, source = kind or head_kind(job.heads), job.trainer.init_from
     if source:
         from export import load_export
@@ -111,6 +114,14 @@ def build_head_for_job(job, target, kind: HeadKind | None = None, vocab: torch.T
             set_draft_vocab(head, vocab)
             log.info("trainer.init_from: the head had no draft vocabulary; it trains over the %d counted ids",
                      len(vocab))
+        elif own is not None and vocab is not None and len(own) != len(vocab) and isinstance(
+                getattr(head, "module", head), Eagle3Head):
+            # heads.draft_vocab_size asks for another size than the head drafts over: widen (or
+            # narrow) it around the job's counted ids, keeping the rows it has trained
+            kept, new = resize_draft_vocab(head, vocab, target)
+            log.info("trainer.init_from: the head's %d-id draft vocabulary becomes the job's %d ids "
+                     "(heads.draft_vocab_size): %d lm_head rows kept, %d from the target's lm_head",
+                     len(own), len(vocab), kept, new)
         elif own is not None and (vocab is None or not torch.equal(own.cpu(), vocab.cpu())):
             log.info("trainer.init_from: the head keeps its own %d-id draft vocabulary (heads.draft_vocab_size=%d "
                      "is not applied to it)", len(own), job.heads.draft_vocab_size)

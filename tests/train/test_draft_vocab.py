@@ -121,3 +121,35 @@ def test_a_head_without_a_vocabulary_drafts_over_the_full_one_and_says_so(tmp_pa
     assert report["draft_vocab"] == {"size": target.vocab_size, "source": "none stored: the full vocabulary"}
     assert "carries no draft vocabulary" in caplog.text and "full vocabulary of 128 tokens" in caplog.text
     assert "draft_vocab" not in report["drafters"][0]["settings"]
+
+
+@pytest.mark.parametrize("kind", ["eagle3", "peagle"])
+def test_init_from_resizes_an_eagle3_heads_vocabulary_when_another_size_is_asked(tmp_path, kind):
+    target, data = tiny_target(), tiny_data()
+    def job_for(folder, **trainer):
+        job = tiny_job(folder, kind, **trainer)
+        if kind == "peagle":  # the tiny target has 2 layers
+            job.heads.peagle.aux_layer_ids = [0, 1, 1]
+        return job
+
+    job = job_for(tmp_path / "a", max_steps=1)
+    job.heads.draft_vocab_size = 20
+    small = frequent_reply_tokens(data.train, 20, target.vocab_size)
+    first = train_heads(job, target, data).last_checkpoint
+    trained, _, _ = load_head(first, target)
+    job = job_for(tmp_path / "b", max_steps=1, init_from=str(first))
+    job.heads.draft_vocab_size = 40
+    wide = frequent_reply_tokens(data.train, 40, target.vocab_size)
+    assert bool(torch.isin(small, wide).all()) and len(small) == 20  # the tiny data counts 40 ids or more
+    head, config = build_head_for_job(job, target, vocab=wide)
+    assert config.draft_vocab_size == 40 and torch.equal(draft_ids(head), wide)
+    assert head.lm_head.weight.shape[0] == 40 and head.d2t.shape == (40,) and int(head.t2d.sum()) == 40
+    kept = torch.isin(wide, small)
+    # the rows it trained are kept, id for id; the new ones start as the target's
+    assert torch.equal(head.lm_head.weight[kept], trained.lm_head.weight)
+    assert torch.equal(head.lm_head.weight[~kept], target.lm_head.weight[wide[~kept]].to(head.lm_head.weight))
+    assert torch.equal(head.to_target_ids(torch.arange(40)), wide)
+    # a run from the resized head trains, saves and loads at the new size
+    job.heads.draft_vocab_size = 40
+    again, config, _ = load_head(train_heads(job, target, data).last_checkpoint, target)
+    assert config.draft_vocab_size == 40 and torch.equal(draft_ids(again), wide)
