@@ -214,12 +214,25 @@ def set_draft_vocab(head: Eagle3Head, ids: torch.Tensor) -> Eagle3Head:
     return head
 
 
+def row_map(source: torch.Tensor, trained: torch.Tensor, penalty: float = 1e-4) -> torch.Tensor:
+    """(D, D) float64 A minimising |source @ A - trained|² + penalty·(mean squared singular value
+    of source)·|A|²: source and trained (N, D), the same ids' rows in the target's lm_head and in
+    a trained head's."""
+    x, y = source.double(), trained.double()
+    gram = x.T @ x
+    scale = torch.trace(gram) / gram.shape[0]
+    return torch.linalg.solve(gram + penalty * scale * torch.eye(gram.shape[0], dtype=gram.dtype,
+                                                                   device=gram.device), x.T @ y)
+
+
 @torch.no_grad()
 def resize_draft_vocab(head: Eagle3Head, ids: torch.Tensor, target) -> tuple[int, int]:
     """Give a trained head the draft vocabulary `ids` (sorted target ids, any count): the lm_head
-    rows of ids it already drafts are kept, the others start as the target's lm_head rows, as a
-    fresh head's do (init_from_target). The config's draft_vocab_size follows. Returns (rows kept,
-    rows new)."""
+    rows of ids it already drafts are kept; the others start as the target's lm_head rows carried
+    into the head's trained space by the linear map that best takes the target's rows of the kept
+    ids to the head's (least squares). Unmapped target rows score the trained head's states
+    differently from its own rows and win its argmax at most positions. The config's
+    draft_vocab_size follows. Returns (rows kept, rows new)."""
     old = head.draft_ids().cpu()
     ids = ids.to(torch.long).cpu()
     d2t, t2d = vocab_maps(ids, head.config.vocab_size)  # checks the ids before anything changes
@@ -228,7 +241,12 @@ def resize_draft_vocab(head: Eagle3Head, ids: torch.Tensor, target) -> tuple[int
     rows = old_row[ids]  # (Vd_new,) the old row of each id, -1 where new
     kept = rows >= 0
     weight = head.lm_head.weight
-    fresh = target.lm_head.weight[ids.to(target.lm_head.weight.device)].to(weight)  # (Vd_new, D)
+    source = target.lm_head.weight.detach()
+    fresh = source[ids.to(source.device)].to(weight)  # (Vd_new, D)
+    if kept.any() and (~kept).any():
+        fresh[~kept.to(weight.device)] = (source[ids[~kept].to(source.device)].double().to(weight.device)
+                                          @ row_map(source[ids[kept].to(source.device)].to(weight.device),
+                                                    weight[rows[kept].to(weight.device)])).to(weight)
     fresh[kept.to(weight.device)] = weight[rows[kept].to(weight.device)]
     head.lm_head = nn.Linear(weight.shape[1], ids.numel(), bias=False, device=weight.device, dtype=weight.dtype)
     head.lm_head.weight.copy_(fresh)

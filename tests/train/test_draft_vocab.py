@@ -145,11 +145,35 @@ def test_init_from_resizes_an_eagle3_heads_vocabulary_when_another_size_is_asked
     assert config.draft_vocab_size == 40 and torch.equal(draft_ids(head), wide)
     assert head.lm_head.weight.shape[0] == 40 and head.d2t.shape == (40,) and int(head.t2d.sum()) == 40
     kept = torch.isin(wide, small)
-    # the rows it trained are kept, id for id; the new ones start as the target's
+    # the rows it trained are kept, id for id; the new ones are the target's, carried by the map
+    # the kept rows fit
+    from heads.eagle3 import row_map
+
     assert torch.equal(head.lm_head.weight[kept], trained.lm_head.weight)
-    assert torch.equal(head.lm_head.weight[~kept], target.lm_head.weight[wide[~kept]].to(head.lm_head.weight))
+    mapped = target.lm_head.weight[wide[~kept]].double() @ row_map(target.lm_head.weight[small], trained.lm_head.weight)
+    assert torch.allclose(head.lm_head.weight[~kept], mapped.float(), atol=1e-5)
     assert torch.equal(head.to_target_ids(torch.arange(40)), wide)
     # a run from the resized head trains, saves and loads at the new size
     job.heads.draft_vocab_size = 40
     again, config, _ = load_head(train_heads(job, target, data).last_checkpoint, target)
     assert config.draft_vocab_size == 40 and torch.equal(draft_ids(again), wide)
+
+
+def test_new_rows_are_the_targets_carried_by_the_map_the_kept_rows_obey():
+    """A head whose trained rows are the target's times some matrix M gets new rows = target rows @ M."""
+    from heads.eagle3 import Eagle3Config, Eagle3Head, init_from_target, resize_draft_vocab
+
+    target = tiny_target()
+    torch.manual_seed(0)
+    old = torch.arange(100)  # 100 ids, more than the hidden size 64: M is determined
+    head = init_from_target(Eagle3Head(Eagle3Config.from_target(target, draft_vocab_size=100, aux_layer_ids=[0, 1])),
+                            target, old)
+    M = torch.randn(64, 64) / 8
+    with torch.no_grad():
+        head.lm_head.weight.copy_(target.lm_head.weight[old].float() @ M)
+    wide = torch.arange(3, 128)  # drops ids 0-2, adds 100-127
+    kept, new = resize_draft_vocab(head, wide, target)
+    assert (kept, new) == (97, 28) and head.config.draft_vocab_size == 125
+    assert torch.allclose(head.lm_head.weight[97:], target.lm_head.weight[100:].float() @ M, atol=1e-3)
+    assert torch.equal(head.lm_head.weight[:97], target.lm_head.weight[3:100].float() @ M)
+    assert torch.equal(head.to_target_ids(torch.arange(125)), wide)
