@@ -42,7 +42,7 @@ RELEASES = {
     # norm before fc (docs/results.md). The two commands, the first with trainer.init_from=<the previous release head>,
     # trainer.seed=5, trainer.max_minutes=90 and the default vocabulary:
     # python -m train +recipe=eagle3_smollm2_135m_corpus data.max_records=16384 heads.eagle3.norm_before_fc=true
-    #   heads.draft_vocab_size=16384 trainer.init_from=<step 4,800 of that run> trainer.seed=6
+    #   heads.draft_vocab_size=16384 trainer.init_from=<step 4,800 of that run> trainer.init_vocab=job trainer.seed=6
     #   trainer.schedule_clock=minutes trainer.max_minutes=60 trainer.max_steps=100000 trainer.feature_memory_mb=14500
     #   trainer.learning_rate=5e-5
     # The corpus's first 64 held-out conversations are the 8,192-prompt corpus's: the split hashes each record.

@@ -7,6 +7,7 @@ from heads.checks import choice, fraction, positive
 
 SCHEDULES = ("cosine", "linear", "constant")  # trainer.schedule (train.loop.lr_factor)
 SCHEDULE_CLOCKS = ("steps", "minutes")  # trainer.schedule_clock (train.loop.budget_fraction)
+INIT_VOCABS = ("keep", "job")  # trainer.init_vocab (train.loop.build_head_for_job)
 MIXED_PRECISION = ("auto", "no", "bf16", "fp16")  # trainer.mixed_precision (train.distributed)
 LOGGER_KINDS = ("wandb", "none")  # logger.kind (train.metrics)
 LOGGER_MODES = ("offline", "online", "disabled")  # logger.mode
@@ -42,6 +43,9 @@ class TrainerConfig:
     keep_last: int = 2
     resume: str = "auto"  # auto | never | <checkpoint dir>
     init_from: str | None = None  # a checkpoint or any export folder to start the heads from
+    # what a head from init_from drafts over: "keep" its own draft vocabulary, or the "job"'s counted one
+    # (heads.draft_vocab_size; an EAGLE-3 or P-EAGLE head keeps the lm_head rows of the ids it had)
+    init_vocab: str = "keep"
     log_every: int = 10
     dry_run: bool = False  # print the plan (memory, disk, steps) and stop
     num_threads: int | None = None  # torch CPU threads; None: leave torch's default
@@ -60,6 +64,7 @@ class TrainerConfig:
         fraction(f"{key}.adam_beta2", self.adam_beta2, low_open=False, high_open=True)
         choice(f"{key}.schedule", self.schedule, SCHEDULES)
         choice(f"{key}.schedule_clock", self.schedule_clock, SCHEDULE_CLOCKS)
+        choice(f"{key}.init_vocab", self.init_vocab, INIT_VOCABS)
         if self.schedule_clock == "minutes" and self.max_minutes is None:
             raise ValueError(f"{key}.schedule_clock=minutes lays the schedule over {key}.max_minutes, which is not set: "
                              f"set {key}.max_minutes, or {key}.schedule_clock=steps to lay it over {key}.max_steps")

@@ -19,7 +19,7 @@ import torch
 
 from heads.eagle3 import Eagle3Head, resize_draft_vocab
 from heads.io import head_type, read_head_meta
-from heads.vocab import draft_ids, set_draft_vocab
+from heads.vocab import draft_ids, set_draft_vocab, stores_id_list
 from train.config import SCHEDULES
 from train.checkpoint import (
     TrainingDiverged, find_resume, prune_checkpoints, rng_state, save_checkpoint, set_rng_state,
@@ -85,14 +85,34 @@ def lr_factor_by_budget(fraction: float, warmup_ratio: float, max_steps: int, sc
     return _decay(min(1.0, (fraction - warmup_ratio) / max(1e-9, 1.0 - warmup_ratio)), schedule)
 
 
+def adopt_job_vocab(head, own: torch.Tensor, vocab: torch.Tensor | None, target) -> None:
+    """trainer.init_vocab=job: the loaded head drafts over the job's counted ids `vocab` (None: the
+    full vocabulary) instead of its own `own`. EAGLE-3 and P-EAGLE keep the lm_head rows of the
+    ids they had (heads/eagle3.resize_draft_vocab); EAGLE-1/2 and Medusa score through the target's
+    lm_head, so their id list is replaced."""
+    module = getattr(head, "module", head)
+    ids = vocab if vocab is not None else torch.arange(target.vocab_size)
+    if isinstance(module, Eagle3Head):
+        kept, new = resize_draft_vocab(module, ids, target)
+        log.info("trainer.init_from: the head's %d-id draft vocabulary becomes the job's %d ids "
+                 "(trainer.init_vocab=job): %d lm_head rows kept, %d from the target's lm_head", len(own),
+                 len(ids), kept, new)
+    elif stores_id_list(module.config):
+        set_draft_vocab(module, ids)
+        log.info("trainer.init_from: the head's %d-id draft vocabulary becomes the job's %d ids "
+                 "(trainer.init_vocab=job)", len(own), len(ids))
+    else:
+        raise ValueError(f"trainer.init_vocab=job: a {type(module).__name__}'s draft vocabulary cannot be "
+                         "replaced (its lm_head rows would have to be rebuilt); use trainer.init_vocab=keep")
+
+
 def build_head_for_job(job, target, kind: HeadKind | None = None, vocab: torch.Tensor | None = None):
     """(head, head config): from trainer.init_from (a checkpoint or any export folder, read by
     `export.load_export` in float32; a head of another kind where the job's kind can `adopt` it),
     else fresh: the head kind's build, initialised from the
     target, around the draft vocabulary `vocab` (sorted ids; None: the full vocabulary). A loaded
-    head keeps its own vocabulary, except an EAGLE-3 or P-EAGLE head whose size differs from
-    `vocab`'s (heads.draft_vocab_size asked for another): it is resized around `vocab`; a head
-    without one gets `vocab`."""
+    head keeps its own vocabulary, or takes `vocab` under trainer.init_vocab=job (`adopt_job_vocab`);
+    a head without one gets `vocab`."""
     kind, source = kind or head_kind(job.heads), job.trainer.init_from
     if source:
         from export import load_export
@@ -114,17 +134,13 @@ def build_head_for_job(job, target, kind: HeadKind | None = None, vocab: torch.T
             set_draft_vocab(head, vocab)
             log.info("trainer.init_from: the head had no draft vocabulary; it trains over the %d counted ids",
                      len(vocab))
-        elif own is not None and vocab is not None and len(own) != len(vocab) and isinstance(
-                getattr(head, "module", head), Eagle3Head):
-            # heads.draft_vocab_size asks for another size than the head drafts over: widen (or
-            # narrow) it around the job's counted ids, keeping the rows it has trained
-            kept, new = resize_draft_vocab(head, vocab, target)
-            log.info("trainer.init_from: the head's %d-id draft vocabulary becomes the job's %d ids "
-                     "(heads.draft_vocab_size): %d lm_head rows kept, %d from the target's lm_head",
-                     len(own), len(vocab), kept, new)
         elif own is not None and (vocab is None or not torch.equal(own.cpu(), vocab.cpu())):
-            log.info("trainer.init_from: the head keeps its own %d-id draft vocabulary (heads.draft_vocab_size=%d "
-                     "is not applied to it)", len(own), job.heads.draft_vocab_size)
+            if job.trainer.init_vocab == "job":
+                adopt_job_vocab(head, own, vocab, target)
+            else:
+                log.info("trainer.init_from: the head keeps its own %d-id draft vocabulary (heads.draft_vocab_size=%d "
+                         "is not applied to it; trainer.init_vocab=job applies it)", len(own),
+                         job.heads.draft_vocab_size)
         return head, config
     return kind.build(target, vocab)  # heads.hidden_size was checked against the target (pipeline.check_arch)
 

@@ -124,7 +124,7 @@ def test_a_head_without_a_vocabulary_drafts_over_the_full_one_and_says_so(tmp_pa
 
 
 @pytest.mark.parametrize("kind", ["eagle3", "peagle"])
-def test_init_from_resizes_an_eagle3_heads_vocabulary_when_another_size_is_asked(tmp_path, kind):
+def test_init_vocab_job_resizes_an_eagle3_heads_vocabulary_around_the_jobs_ids(tmp_path, kind):
     target, data = tiny_target(), tiny_data()
     def job_for(folder, **trainer):
         job = tiny_job(folder, kind, **trainer)
@@ -141,6 +141,9 @@ def test_init_from_resizes_an_eagle3_heads_vocabulary_when_another_size_is_asked
     job.heads.draft_vocab_size = 40
     wide = frequent_reply_tokens(data.train, 40, target.vocab_size)
     assert bool(torch.isin(small, wide).all()) and len(small) == 20  # the tiny data counts 40 ids or more
+    head, config = build_head_for_job(job, target, vocab=wide)  # by default the head keeps its own
+    assert config.draft_vocab_size == 20 and torch.equal(draft_ids(head), small)
+    job.trainer.init_vocab = "job"
     head, config = build_head_for_job(job, target, vocab=wide)
     assert config.draft_vocab_size == 40 and torch.equal(draft_ids(head), wide)
     assert head.lm_head.weight.shape[0] == 40 and head.d2t.shape == (40,) and int(head.t2d.sum()) == 40
@@ -177,3 +180,31 @@ def test_new_rows_are_the_targets_carried_by_the_map_the_kept_rows_obey():
     assert torch.allclose(head.lm_head.weight[97:], target.lm_head.weight[100:].float() @ M, atol=1e-3)
     assert torch.equal(head.lm_head.weight[:97], target.lm_head.weight[3:100].float() @ M)
     assert torch.equal(head.to_target_ids(torch.arange(125)), wide)
+
+
+def test_init_vocab_job_gives_an_eagle_head_the_jobs_ids_and_a_dflash_head_is_refused(tmp_path):
+    target, data = tiny_target(), tiny_data()
+    job = tiny_job(tmp_path / "a", max_steps=1)
+    job.heads.draft_vocab_size = 20
+    eagle = train_heads(job, target, data).last_checkpoint
+    job = tiny_job(tmp_path / "b", init_from=str(eagle))
+    job.trainer.init_vocab = "job"
+    head, config = build_head_for_job(job, target, vocab=VOCAB)
+    assert torch.equal(draft_ids(head), VOCAB) and config.draft_vocab_size == len(VOCAB)
+
+    job = tiny_job(tmp_path / "c", "dflash", max_steps=1)
+    job.heads.dflash.aux_layer_ids, job.heads.dflash.block_size, job.heads.dflash.max_anchors = [0, 1], 4, 8
+    job.heads.draft_vocab_size = 48
+    dflash = train_heads(job, target, data).last_checkpoint
+    job = tiny_job(tmp_path / "d", "dflash", init_from=str(dflash))
+    job.heads.dflash.aux_layer_ids = [0, 1]
+    job.trainer.init_vocab = "job"
+    with pytest.raises(ValueError, match="trainer.init_vocab=job: a DflashHead"):
+        build_head_for_job(job, target, vocab=VOCAB)
+
+
+def test_init_vocab_takes_only_keep_or_job():
+    from train.config import TrainerConfig
+
+    with pytest.raises(ValueError, match="trainer.init_vocab"):
+        TrainerConfig(init_vocab="resize").check()
