@@ -281,7 +281,8 @@ def _settings_lines(runtime: dict) -> str:
 def model_card(manifest: dict) -> str:
     """A hub-pushable README.md for the export folder."""
     kind, fmt, base = manifest["head_type"], manifest["format"], manifest["base_model"]
-    tags = ["speculative-decoding", kind, "specheads", *manifest["engines"]]
+    # each tag once: a native export's engine is "specheads" itself
+    tags = list(dict.fromkeys(["speculative-decoding", kind, "specheads", *manifest["engines"]]))
     files = "\n".join(f"| `{name}` | {info['bytes']} | `{info['sha256'][:16]}…` |"
                       for name, info in manifest["files"].items())
     notes = "".join(f"- {note}\n" for note in manifest["notes"]) or "- none\n"

@@ -113,6 +113,13 @@ def test_manifest_and_model_card(tmp_path, target):
     assert "| tau | 2.4 |" in card
 
 
+def test_a_native_exports_model_card_names_each_tag_once(tmp_path, target):
+    head, config = make_eagle(target)
+    card = (export_head(head, config, "native", tmp_path / "n", target) / "README.md").read_text()
+    tags = card.split("tags: [", 1)[1].split("]", 1)[0].split(", ")
+    assert "specheads" in tags and len(tags) == len(set(tags))
+
+
 def test_medusa_manifest_defaults_to_a_valid_tree(tmp_path, target):
     head, config = make_medusa(target)
     folder = export_head(head, config, "medusa", tmp_path / "m", target)
