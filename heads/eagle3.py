@@ -218,11 +218,11 @@ def row_map(source: torch.Tensor, trained: torch.Tensor, penalty: float = 1e-4) 
     """(D, D) float64 A minimising |source @ A - trained|² + penalty·(mean squared singular value
     of source)·|A|²: source and trained (N, D), the same ids' rows in the target's lm_head and in
     a trained head's."""
-    x, y = source.double(), trained.double()
+    from heads.eagle import ridge_solution
+
+    x = source.double()
     gram = x.T @ x
-    scale = torch.trace(gram) / gram.shape[0]
-    return torch.linalg.solve(gram + penalty * scale * torch.eye(gram.shape[0], dtype=gram.dtype,
-                                                                   device=gram.device), x.T @ y)
+    return ridge_solution(gram, x.T @ trained.double(), 1, penalty * float(torch.trace(gram)) / gram.shape[0])
 
 
 @torch.no_grad()
@@ -233,22 +233,20 @@ def resize_draft_vocab(head: Eagle3Head, ids: torch.Tensor, target) -> tuple[int
     ids to the head's (least squares). Unmapped target rows score the trained head's states
     differently from its own rows and win its argmax at most positions. The config's
     draft_vocab_size follows. Returns (rows kept, rows new)."""
-    old = head.draft_ids().cpu()
-    ids = ids.to(torch.long).cpu()
+    weight = head.lm_head.weight
+    device = weight.device
     d2t, t2d = vocab_maps(ids, head.config.vocab_size)  # checks the ids before anything changes
-    old_row = torch.full((head.config.vocab_size,), -1, dtype=torch.long)
-    old_row[old] = torch.arange(old.numel())
+    ids, old = ids.to(device=device, dtype=torch.long), head.draft_ids().to(device)
+    old_row = torch.full((head.config.vocab_size,), -1, dtype=torch.long, device=device)
+    old_row[old] = torch.arange(old.numel(), device=device)
     rows = old_row[ids]  # (Vd_new,) the old row of each id, -1 where new
     kept = rows >= 0
-    weight = head.lm_head.weight
-    source = target.lm_head.weight.detach()
-    fresh = source[ids.to(source.device)].to(weight)  # (Vd_new, D)
+    source = target.lm_head.weight.detach().to(device)
+    fresh = source[ids].to(weight)  # (Vd_new, D)
     if kept.any() and (~kept).any():
-        fresh[~kept.to(weight.device)] = (source[ids[~kept].to(source.device)].double().to(weight.device)
-                                          @ row_map(source[ids[kept].to(source.device)].to(weight.device),
-                                                    weight[rows[kept].to(weight.device)])).to(weight)
-    fresh[kept.to(weight.device)] = weight[rows[kept].to(weight.device)]
-    head.lm_head = nn.Linear(weight.shape[1], ids.numel(), bias=False, device=weight.device, dtype=weight.dtype)
+        fresh[~kept] = (source[ids[~kept]].double() @ row_map(source[ids[kept]], weight[rows[kept]])).to(weight)
+    fresh[kept] = weight[rows[kept]]
+    head.lm_head = nn.Linear(weight.shape[1], ids.numel(), bias=False, device=device, dtype=weight.dtype)
     head.lm_head.weight.copy_(fresh)
     head.d2t = d2t.to(head.d2t.device)  # buffers of a new length (registered names, so still buffers)
     head.t2d = t2d.to(head.t2d.device)

@@ -94,16 +94,15 @@ def adopt_job_vocab(head, own: torch.Tensor, vocab: torch.Tensor | None, target)
     ids = vocab if vocab is not None else torch.arange(target.vocab_size)
     if isinstance(module, Eagle3Head):
         kept, new = resize_draft_vocab(module, ids, target)
-        log.info("trainer.init_from: the head's %d-id draft vocabulary becomes the job's %d ids "
-                 "(trainer.init_vocab=job): %d lm_head rows kept, %d from the target's lm_head", len(own),
-                 len(ids), kept, new)
+        detail = f": {kept} lm_head rows kept, {new} from the target's lm_head"
     elif stores_id_list(module.config):
         set_draft_vocab(module, ids)
-        log.info("trainer.init_from: the head's %d-id draft vocabulary becomes the job's %d ids "
-                 "(trainer.init_vocab=job)", len(own), len(ids))
+        detail = ""
     else:
         raise ValueError(f"trainer.init_vocab=job: a {type(module).__name__}'s draft vocabulary cannot be "
                          "replaced (its lm_head rows would have to be rebuilt); use trainer.init_vocab=keep")
+    log.info("trainer.init_from: the head's %d-id draft vocabulary becomes the job's %d ids (trainer.init_vocab=job)%s",
+             len(own), len(ids), detail)
 
 
 def build_head_for_job(job, target, kind: HeadKind | None = None, vocab: torch.Tensor | None = None):
