@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 CORPUS = Path(__file__).resolve().parents[2] / "data" / "corpora" / "sharegpt_first_exchange"
-RECIPES = ["eagle3_smollm2_135m_corpus", "eagle_smollm2_135m_corpus", "peagle_smollm2_135m_corpus"]
+RECIPES = ["eagle3_smollm2_135m_corpus", "eagle_smollm2_135m_corpus", "peagle_smollm2_135m_corpus",
+           "dflash_smollm2_135m_corpus"]
 
 
 def _manifest() -> dict:
