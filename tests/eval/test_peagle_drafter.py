@@ -177,6 +177,29 @@ def test_tree_first_path_is_the_chain_and_branches_within_the_budget(temperature
     assert max(depths) == K
 
 
+@pytest.mark.parametrize("total", [2, 3, 4])
+def test_a_small_tree_drafts_only_the_slots_it_can_reach(total):
+    """A tree of total - 1 nodes cannot reach past depth total - 1: its drafter runs that many slots
+    and proposes the tree that the K slots' logits give."""
+    target, lean, head = _random()
+    with torch.no_grad():  # a confident head, so trees reach past the first slot
+        head.lm_head.weight.mul_(10.0)
+    small, full = PeagleTreeDrafter(head, lean, total_tokens=total), PeagleTreeDrafter(head, lean, total_tokens=total)
+    full.depth = K  # as before the cap: every slot drafted
+    assert small.depth == total - 1
+    sampling = SamplingConfig()
+    for sequence in prompts(3, 9):
+        features = _features(target, head, sequence)
+        small.reset(sequence)
+        full.reset(sequence)
+        state = _state(target, sequence, features, sampling)
+        assert small.slot_logits(state).shape[0] == total - 1
+        small.reset(sequence)
+        mine, theirs = small.propose(state), full.propose(_state(target, sequence, features, sampling))
+        assert mine.tokens.tolist() == theirs.tokens.tolist() and mine.parents.tolist() == theirs.parents.tolist()
+        assert small.cache_length == full.cache_length
+
+
 def test_tree_greedy_speculative_equals_plain(setup):
     target, lean, head = setup
     drafter = PeagleTreeDrafter(head, lean, total_tokens=8)

@@ -102,13 +102,16 @@ class PeagleDrafter(EagleDrafter):
 class PeagleTreeDrafter(PeagleDrafter):
     """A tree of total_tokens - 1 nodes over `depth` <= K slots (default K) from the chain's one
     forward, chosen per step by `slot_tree` from the slots' softmax at temperature 1 (the drafts are
-    deterministic at any sampling temperature, as Medusa's and EAGLE-2's)."""
+    deterministic at any sampling temperature, as Medusa's and EAGLE-2's). A tree of n nodes reaches
+    depth n at most (it is ancestor-closed), so only the first min(depth, n) slots are drafted: the
+    4-token tree of a K = 4 head runs 3 slots, the 2-token tree one."""
 
     def __init__(self, head: PeagleHead, lean: LeanLlama, total_tokens: int = 8, depth: int | None = None):
         if total_tokens < 2:
             raise ValueError(f"peagle tree: total_tokens counts the root, so it must be >= 2, got {total_tokens}")
         super().__init__(head, lean, depth)
         self.total_tokens = total_tokens
+        self.depth = min(self.depth, total_tokens - 1)  # slots past the deepest reachable node are never read
 
     @torch.no_grad()
     def propose(self, state: DraftState) -> Candidates:
