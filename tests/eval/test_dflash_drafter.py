@@ -109,6 +109,8 @@ def _module_logits(target, head, sequence, features, depth):
 
 
 def test_cached_context_equals_the_module_over_the_whole_prefix_step_after_step(setup, monkeypatch):
+    """The cached path (the lean block forward, which never calls the module) against the module
+    path over the whole prefix, and against the module's forward written out here."""
     target, lean, head = setup
     sequence = prompts(1, 14)[0]
     features = _features(target, head, sequence)
@@ -122,11 +124,40 @@ def test_cached_context_equals_the_module_over_the_whole_prefix_step_after_step(
     for end in (6, 7, 10, 14):  # commits of 6, 1, 3 and 4 tokens
         calls.clear()
         logits = cached.block_logits(_state(target, sequence[:end], features, start))
-        assert len(calls) == 1 and cached.cache_length == end - 1
+        assert not calls and cached.cache_length == end - 1
         torch.testing.assert_close(logits, fresh.block_logits(_state(target, sequence[:end], features, start)),
                                    atol=1e-5, rtol=1e-5)
+        assert len(calls) == 1 and fresh.cache_length == end - 1
         torch.testing.assert_close(logits, _module_logits(target, head, sequence[:end], features, B - 1),
                                    atol=1e-4, rtol=1e-4)
+        start = end - 1
+
+
+@pytest.mark.parametrize("num_layers,depth", [(1, 1), (1, B - 1), (2, 2), (3, B - 1)])
+def test_the_lean_block_is_the_module_block_in_float64(num_layers, depth):
+    """Only the rows a proposal reads are computed (two distinct rows in the first layer, the depth
+    slots in the last): the same logits as the module over the whole block, to float64 rounding."""
+    torch.manual_seed(num_layers)
+    target = tiny_target()
+    lean = LeanLlama.from_hf(target.model, max_seq_len=256)
+    head = _randomized(DflashHead(DflashConfig.from_target(target, aux_layer_ids=[1, 0], num_layers=num_layers,
+                                                           block_size=B, mask_token_id=5)))
+    for p in head.parameters():  # norms away from 1, so a norm applied to the wrong rows shows
+        if p.dim() == 1:
+            p.data.uniform_(0.5, 1.5)
+    head = head.double()
+    target = target.double()
+    lean = LeanLlama.from_hf(target.model, max_seq_len=256)
+    sequence = prompts(1, 12)[0]
+    features = _features(target, head, sequence)
+    lean_drafter = DflashDrafter(head, lean, depth=depth)
+    module_drafter = DflashDrafter(head, lean, depth=depth, cache_context=False)
+    start = 0
+    for end in (5, 9, 12):
+        state = _state(target, sequence[:end], features, start)
+        ours, reference = lean_drafter.block_logits(state), module_drafter.block_logits(state)
+        assert ours.shape == (depth, 128)
+        torch.testing.assert_close(ours, reference, atol=1e-10, rtol=1e-10)
         start = end - 1
 
 

@@ -8,9 +8,10 @@ This is training's alignment with the root as anchor (train/dflash_objective.py)
 
 The context's K/V depend on c_s alone, so each layer's are computed once per committed position
 and kept (`cache_context`, the default), only ever from the target's true features of committed
-tokens: rejected drafts never enter it and nothing is rolled back. With cache_context=False every
-proposal recomputes them over the whole prefix, the simple reference the cached path is tested
-against.
+tokens: rejected drafts never enter it and nothing is rolled back. The cached path runs the lean
+block forward (`eval.runtime.drafters.lean_dflash`: only the rows a proposal reads, weights laid out
+as the target's). With cache_context=False every proposal runs the head module over the whole
+prefix, the simple reference the lean path is tested against.
 
 No slot reads a drafted token, so each draft comes from its slot's distribution alone: argmax when
 greedy, else sampled with that distribution reported, which the runtime's rejection sampling keeps
@@ -24,6 +25,7 @@ import torch
 
 from eval.runtime import linear_paths
 from eval.runtime.drafters import Candidates, DraftState
+from eval.runtime.drafters.lean_dflash import LeanDflash
 from eval.runtime.model import LeanLlama, Linear
 from eval.runtime.sampling import probabilities, sample
 from heads.dflash import DflashHead, block_tokens
@@ -55,17 +57,20 @@ class DflashDrafter:
         # the draft vocabulary's projection as a lean linear layer, each row count through the kernel
         # measured for the target's lm_head (`linear_paths.follow`)
         self.lm_head = Linear(head.lm_head.weight, pack=True) if self.vocab is not None else None
-        self.linear_paths = linear_paths.follow({"lm_head": [self.lm_head]}, lean.linear_sites()) \
-            if self.lm_head is not None else {}
+        self.runtime = LeanDflash(head, self.capacity) if cache_context else None
+        sites = {**(self.runtime.linear_sites() if self.runtime is not None else {}),
+                 **({"lm_head": [self.lm_head]} if self.lm_head is not None else {})}
+        self.linear_paths = linear_paths.follow(sites, lean.linear_sites())
         self.reset(None)
 
     @property
     def cache_length(self) -> int:
-        return self.length
+        return self.runtime.length if self.runtime is not None else self.length
 
     def reset(self, prompt: torch.Tensor | None) -> None:
         self.length = 0
-        self.kv: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # per layer (1, nKV, capacity, hd)
+        if self.runtime is not None:
+            self.runtime.reset()
         self.aux: list[torch.Tensor] = []  # cache_context=False: every committed position's aux streams
 
     def _committed_aux(self, state: DraftState) -> torch.Tensor:
@@ -73,24 +78,13 @@ class DflashDrafter:
         layers = [layer % (state.num_layers + 1) for layer in self.feature_layers]
         return torch.cat([state.new_features[layer] for layer in layers], dim=-1).to(self.device, self.dtype)
 
-    def _context_kv(self, aux: torch.Tensor, start: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        positions = torch.arange(start, start + aux.shape[0], device=self.device)[None]
-        return self.head.context_kv(self.head.project(aux[None]), positions)
-
     def _extend(self, aux: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Add the new committed positions to the context; returns every layer's K/V over it."""
-        start, end = self.length, self.length + aux.shape[0]
-        if not self.cache_context:
-            self.aux.append(aux)
-            self.length = end
-            return self._context_kv(torch.cat(self.aux), 0)
-        new = self._context_kv(aux, start)
-        if self.kv is None:
-            self.kv = [tuple(t.new_zeros(*t.shape[:2], self.capacity, t.shape[-1]) for t in pair) for pair in new]
-        for (k, v), (k_new, v_new) in zip(self.kv, new):
-            k[:, :, start:end], v[:, :, start:end] = k_new, v_new
-        self.length = end
-        return [(k[:, :, :end], v[:, :, :end]) for k, v in self.kv]
+        """The module path: add the new committed positions and recompute every layer's context K/V
+        over the whole prefix."""
+        self.aux.append(aux)
+        self.length += aux.shape[0]
+        positions = torch.arange(self.length, device=self.device)[None]
+        return self.head.context_kv(self.head.project(torch.cat(self.aux)[None]), positions)
 
     @torch.no_grad()
     def block_logits(self, state: DraftState) -> torch.Tensor:
@@ -98,18 +92,22 @@ class DflashDrafter:
         aux = self._committed_aux(state)
         length = state.tokens.shape[0]
         start = length - 1 - aux.shape[0]
-        if start != self.length:
-            raise RuntimeError(f"dflash drafter: context holds {self.length} positions, expected {start}")
-        context = self._extend(aux)
+        if start != self.cache_length:
+            raise RuntimeError(f"dflash drafter: context holds {self.cache_length} positions, expected {start}")
         B = self.head.config.block_size
         tokens = block_tokens(state.tokens[-1:].to(self.device), B, self.head.config.mask_token_id)  # (1, B)
-        embeds = self.lean.embedding[tokens].to(self.dtype)  # (1, B, D)
-        positions = torch.arange(length - 1, length - 1 + B, device=self.device)[None]
-        out = self.head(embeds, positions, context)[0, 1: self.depth + 1]  # (depth, D)
+        if self.runtime is not None:
+            self.runtime.commit(aux)
+            embeds = self.lean.embedding[tokens[0, :2]]  # the anchor's and the mask token's
+            normed = self.runtime.logits_input(self.runtime.block(embeds[0], embeds[1], self.depth))
+        else:
+            context = self._extend(aux)
+            embeds = self.lean.embedding[tokens].to(self.dtype)  # (1, B, D)
+            positions = torch.arange(length - 1, length - 1 + B, device=self.device)[None]
+            normed = self.head.norm(self.head(embeds, positions, context)[0, 1: self.depth + 1])  # (depth, D)
         if self.lm_head is not None:  # (depth, Vd) over the head's own rows
-            return self.lm_head(self.head.norm(out)).float()
-        normed = self.head.norm(out).to(self.lean.embedding.dtype)
-        return self.lean.lm_head(normed).float()
+            return self.lm_head(normed).float()
+        return self.lean.lm_head(normed.to(self.lean.embedding.dtype)).float()
 
     @torch.no_grad()
     def propose(self, state: DraftState) -> Candidates:
