@@ -47,12 +47,12 @@ RELEASES = {
     #   trainer.learning_rate=5e-5
     # The corpus's first 64 held-out conversations are the 8,192-prompt corpus's: the split hashes each record.
     "eagle3_smollm2_135m": ("release_heldout_eagle3.jsonl", ["data.max_records=16384", "heads.draft_vocab_size=16384"]),
-    # 60 minutes on the 8,192-prompt corpus started whole from the EAGLE-3 release head of 2026-12-05 (an
-    # ancestor of the head above, 2,396 steps on this corpus), 2,201 steps on a Zen 4 EPYC (docs/results.md):
-    # python -m train +recipe=peagle_smollm2_135m_corpus data.max_records=8192 trainer.max_minutes=60
-    #   trainer.max_steps=30000
+    # 60 minutes on the 16,384-prompt corpus started whole from the EAGLE-3 release head above (its 16,384-id
+    # draft vocabulary kept), 2,737 steps on a Zen 5 EPYC (docs/results.md):
+    # python -m train +recipe=peagle_smollm2_135m_corpus data.max_records=16384
+    #   trainer.init_from=heads/release/eagle3_smollm2_135m trainer.seed=7 trainer.max_minutes=60 trainer.max_steps=30000
     # The same corpus and split as the EAGLE-3 head's, so the same held-out file.
-    "peagle_smollm2_135m": ("release_heldout_eagle3.jsonl", ["data.max_records=8192"]),
+    "peagle_smollm2_135m": ("release_heldout_eagle3.jsonl", ["data.max_records=16384"]),
 }
 
 
