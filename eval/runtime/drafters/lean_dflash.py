@@ -22,14 +22,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from eval.runtime.drafters.lean_head import _GROW, _linear, rope_table
 from eval.runtime.model import Linear, RMSNorm, _fused, _rotate
 from heads.dflash import DflashHead
-
-_GROW = 256  # K/V and RoPE tables grow by at least this many positions when full
-
-
-def _linear(module) -> Linear:
-    return Linear(module.weight, module.bias, pack=True)
 
 
 class _Layer:
@@ -80,10 +75,7 @@ class LeanDflash:
                 grown_k[:, : k.shape[1]], grown_v[:, : v.shape[1]] = k, v
                 self.k[i], self.v[i] = grown_k, grown_v
         if size > self.cos.shape[0]:
-            angles = torch.outer(torch.arange(size, dtype=torch.float32, device=self.device), self.inv_freq)
-            cos, sin = angles.cos() * self.scaling, angles.sin() * self.scaling
-            self.cos = torch.cat((cos, cos), dim=-1).to(self.dtype)
-            self.sin = torch.cat((-sin, sin), dim=-1).to(self.dtype)  # signed for `_rotate`
+            self.cos, self.sin = rope_table(self.inv_freq, self.scaling, size, self.dtype)
 
     def reset(self) -> None:
         self.length = 0

@@ -40,6 +40,13 @@ def _linear(module) -> Linear:
     return Linear(module.weight, module.bias, pack=True)
 
 
+def rope_table(inv_freq: torch.Tensor, scaling: float, size: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """RoPE for positions 0..size-1: (cos, signed sin), each (size, hd) in `dtype`, as `_rotate` reads them."""
+    angles = torch.outer(torch.arange(size, dtype=torch.float32, device=inv_freq.device), inv_freq)
+    cos, sin = angles.cos() * scaling, angles.sin() * scaling
+    return torch.cat((cos, cos), dim=-1).to(dtype), torch.cat((-sin, sin), dim=-1).to(dtype)
+
+
 class HeadInputs(Protocol):
     """feature_layers: target hidden layers read at commit (transformers numbering, -1 = final
     post-norm state), concatenated in this order. vocab: (Vd,) target ids of the draft logits'
@@ -192,10 +199,7 @@ class LeanEagleHead:
             k[:, : self.k.shape[1]], v[:, : self.v.shape[1]] = self.k, self.v
             self.k, self.v = k, v
         if size > self.cos.shape[0]:
-            angles = torch.outer(torch.arange(size, dtype=torch.float32, device=self.device), self.inv_freq)
-            cos, sin = angles.cos() * self.scaling, angles.sin() * self.scaling
-            self.cos = torch.cat((cos, cos), dim=-1).to(self.dtype)
-            self.sin = torch.cat((-sin, sin), dim=-1).to(self.dtype)  # signed for `_rotate`
+            self.cos, self.sin = rope_table(self.inv_freq, self.scaling, size, self.dtype)
 
     def reset(self) -> None:
         self.length = self.drafted = 0
