@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 from torch import nn
 
-from heads.eagle import MLP, Attention, RMSNorm, rope_inv_freq
+from heads.eagle import MLP, Attention, RMSNorm, ridge_solution, rope_inv_freq
 
 
 def default_aux_layer_ids(num_layers: int) -> list[int]:
@@ -218,8 +218,6 @@ def row_map(source: torch.Tensor, trained: torch.Tensor, penalty: float = 1e-4) 
     """(D, D) float64 A minimising |source @ A - trained|² + penalty·(mean squared singular value
     of source)·|A|²: source and trained (N, D), the same ids' rows in the target's lm_head and in
     a trained head's."""
-    from heads.eagle import ridge_solution
-
     x = source.double()
     gram = x.T @ x
     return ridge_solution(gram, x.T @ trained.double(), 1, penalty * float(torch.trace(gram)) / gram.shape[0])

@@ -49,15 +49,14 @@ class DflashDrafter:
         self.head, self.lean, self.depth = head.eval(), lean, depth
         ids = head.draft_ids()  # the head's own vocabulary travels with it (d2t), as vLLM reads it
         self.vocab = None if ids is None else ids.detach().to("cpu", torch.long)
-        self.greedy_drafts, self.cache_context = greedy_drafts, cache_context
+        self.greedy_drafts = greedy_drafts
         self.feature_layers = tuple(head.config.aux_layer_ids)
         parameter = next(head.parameters())
         self.dtype, self.device = parameter.dtype, parameter.device
-        self.capacity = lean.config.max_seq_len
         # the draft vocabulary's projection as a lean linear layer, each row count through the kernel
         # measured for the target's lm_head (`linear_paths.follow`)
         self.lm_head = Linear(head.lm_head.weight, pack=True) if self.vocab is not None else None
-        self.runtime = LeanDflash(head, self.capacity) if cache_context else None
+        self.runtime = LeanDflash(head, lean.config.max_seq_len) if cache_context else None
         sites = {**(self.runtime.linear_sites() if self.runtime is not None else {}),
                  **({"lm_head": [self.lm_head]} if self.lm_head is not None else {})}
         self.linear_paths = linear_paths.follow(sites, lean.linear_sites())

@@ -58,6 +58,10 @@ class LeanDflash:
         self.k, self.v = [empty] * len(self.layers), [empty] * len(self.layers)
         self._reserve(capacity)
         self.length = 0
+        B = c.block_size
+        self.block_offsets = torch.arange(B, device=self.device)
+        self.spread = torch.ones(B, dtype=torch.long, device=self.device)  # block row -> the first layer's
+        self.spread[0] = 0  # distinct input row: the anchor, then the mask token
 
     def linear_sites(self) -> dict[str, list[Linear]]:
         """The linear layers by role, named as the target's where they play the same part."""
@@ -106,19 +110,17 @@ class LeanDflash:
         B, H, Hkv, hd = self.config.block_size, self.heads, self.kv_heads, self.head_dim
         C = self.length
         self._reserve(C + B)
-        positions = torch.arange(C, C + B, device=self.device)
+        positions = self.block_offsets + C
         x = torch.stack((anchor, mask)).to(self.device, self.dtype)  # the first layer's distinct rows
-        rows = torch.ones(B, dtype=torch.long, device=self.device)
-        rows[0] = 0  # block row -> its distinct input row
         for i, (layer, k_cache, v_cache) in enumerate(zip(self.layers, self.k, self.v)):
             last = i == len(self.layers) - 1
-            out_rows = torch.arange(1, depth + 1, device=self.device) if last else torch.arange(B, device=self.device)
+            out_rows = self.block_offsets[1: depth + 1] if last else self.block_offsets
             n = x.shape[0]
             q, k, v = layer.qkv(layer.input_norm(x)).view(n, H + 2 * Hkv, hd).split((H, Hkv, Hkv), dim=1)
             q, k = layer.q_norm(q), layer.k_norm(k)  # per row and head, before RoPE
             if n != B:  # the distinct rows spread over the block
-                k, v = k[rows], v[rows]
-                query_source = rows[out_rows]
+                k, v = k[self.spread], v[self.spread]
+                query_source = self.spread[out_rows]
             else:
                 query_source = out_rows
             keys = torch.cat((k_cache[:, :C], self._rope(k, positions).transpose(0, 1)), dim=1)  # (Hkv, C + B, hd)
